@@ -1,0 +1,209 @@
+package v1alpha1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Phase is where an operation stands.
+// +kubebuilder:validation:Enum=Pending;Refused;Running;Paused;Succeeded
+type Phase string
+
+// Operation phases.
+const (
+	// PhasePending: not checked yet.
+	PhasePending Phase = "Pending"
+	// PhaseRefused: preflight said no; nothing ran. Terminal unless override is set.
+	PhaseRefused Phase = "Refused"
+	PhaseRunning Phase = "Running"
+	// PhasePaused: see Reason for why.
+	PhasePaused    Phase = "Paused"
+	PhaseSucceeded Phase = "Succeeded"
+)
+
+// Reasons an operation is Paused, in status.reason.
+const (
+	// ReasonClusterLockHeld: another holder has the cluster lock; status.lockHolder names it.
+	ReasonClusterLockHeld = "ClusterLockHeld"
+	// ReasonPausedByOperator: spec.paused is true.
+	ReasonPausedByOperator = "PausedByOperator"
+	// ReasonStepFailed: a step failed; status.failureReason says why.
+	ReasonStepFailed = "StepFailed"
+)
+
+// LockState says what an operation has to do with the cluster lock.
+type LockState string
+
+// Lock states.
+const (
+	LockHeld    LockState = "Held"
+	LockWaiting LockState = "Waiting"
+)
+
+// Condition types, each with observedGeneration so `kubectl wait` cannot be
+// satisfied by a stale condition.
+const (
+	// ConditionReady is True once the operation has succeeded.
+	ConditionReady = "Ready"
+	// ConditionProgressing is True while machines are being worked on.
+	ConditionProgressing = "Progressing"
+	// ConditionPaused is True while the operation is Paused, for any reason.
+	ConditionPaused = "Paused"
+)
+
+// MachineRole is a machine's role in the cluster.
+// +kubebuilder:validation:Enum=controlplane;worker
+type MachineRole string
+
+// Machine roles.
+const (
+	RoleControlPlane MachineRole = "controlplane"
+	RoleWorker       MachineRole = "worker"
+)
+
+// MachinePhase is where one machine stands within an operation.
+// +kubebuilder:validation:Enum=Pending;Skipped;InProgress;Succeeded;Failed
+type MachinePhase string
+
+// Machine phases.
+const (
+	MachinePending    MachinePhase = "Pending"
+	MachineSkipped    MachinePhase = "Skipped"
+	MachineInProgress MachinePhase = "InProgress"
+	MachineSucceeded  MachinePhase = "Succeeded"
+	MachineFailed     MachinePhase = "Failed"
+)
+
+// MachineStatus is one machine's part of an operation. Entries are kept
+// compact (empty fields are omitted) so an operation over 5,000 machines stays
+// far below etcd's object size limit.
+type MachineStatus struct {
+	// Name is the machine's Node name.
+	Name string `json:"name"`
+	// Role is controlplane or worker.
+	Role MachineRole `json:"role"`
+	// Phase is Pending, Skipped, InProgress, Succeeded or Failed.
+	Phase MachinePhase `json:"phase"`
+	// Step is the step in progress (or the one that failed).
+	// +optional
+	Step string `json:"step,omitempty"`
+	// Attempts counts how often the current step was started.
+	// +optional
+	Attempts int32 `json:"attempts,omitempty"`
+	// StartedAt is when work on the machine began.
+	// +optional
+	StartedAt *metav1.Time `json:"startedAt,omitempty"`
+	// FinishedAt is when the machine succeeded, failed or was skipped.
+	// +optional
+	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
+	// From is the version the machine ran before the operation.
+	// +optional
+	From string `json:"from,omitempty"`
+	// To is the version the machine runs once the operation is done with it.
+	// +optional
+	To string `json:"to,omitempty"`
+	// BootID is the boot ID recorded before a reboot, so that a restarted
+	// controller can tell whether the reboot has happened. Cleared once the
+	// machine is done.
+	// +optional
+	BootID string `json:"bootID,omitempty"`
+	// Message says what is happening or what went wrong.
+	// +optional
+	Message string `json:"message,omitempty"`
+}
+
+// TalosOperationStatus is the operation's whole state machine: nothing lives
+// only in the controller's memory.
+type TalosOperationStatus struct {
+	// Phase is Pending, Refused, Running, Paused or Succeeded.
+	// +optional
+	Phase Phase `json:"phase,omitempty"`
+	// Reason says why the operation is Paused: ClusterLockHeld,
+	// PausedByOperator or StepFailed.
+	// +optional
+	Reason string `json:"reason,omitempty"`
+	// Lock is Held while the operation holds the cluster lock and Waiting while
+	// it waits for it.
+	// +optional
+	Lock LockState `json:"lock,omitempty"`
+	// LockHolder names the holder of the cluster lock while this operation waits for it.
+	// +optional
+	LockHolder string `json:"lockHolder,omitempty"`
+	// FailureReason is set only while a failed step holds the operation, and
+	// says which step failed and why.
+	// +optional
+	FailureReason string `json:"failureReason,omitempty"`
+	// Message is a human-readable account of the current state.
+	// +optional
+	Message string `json:"message,omitempty"`
+	// Stage is the stage in progress of a multi-stage kind.
+	// +optional
+	Stage string `json:"stage,omitempty"`
+	// Target summarises what the operation moves to, like "talos v1.13.7".
+	// +optional
+	Target string `json:"target,omitempty"`
+	// Progress is machines done over machines in scope, like 3/7.
+	// +optional
+	Progress string `json:"progress,omitempty"`
+	// Current names the machine (or machines) being worked on.
+	// +optional
+	Current string `json:"current,omitempty"`
+	// Machines has one entry per machine in scope, in execution order.
+	// +optional
+	// +listType=atomic
+	Machines []MachineStatus `json:"machines,omitempty"`
+	// LastRetry is when the controller last acted on a retry request.
+	// +optional
+	LastRetry *metav1.Time `json:"lastRetry,omitempty"`
+	// RetryCount counts the retry requests acted on.
+	// +optional
+	RetryCount int32 `json:"retryCount,omitempty"`
+	// StartTime is when the operation first started running.
+	// +optional
+	StartTime *metav1.Time `json:"startTime,omitempty"`
+	// CompletionTime is when the operation succeeded or was refused.
+	// +optional
+	CompletionTime *metav1.Time `json:"completionTime,omitempty"`
+	// ObservedGeneration is the spec generation this status reflects.
+	// +optional
+	ObservedGeneration int64 `json:"observedGeneration,omitempty"`
+	// Conditions are Ready, Progressing and Paused (and preflight checks when refused).
+	// +optional
+	// +listType=map
+	// +listMapKey=type
+	Conditions []metav1.Condition `json:"conditions,omitempty"`
+}
+
+// TalosOperation is the record of one disruptive action on a Talos cluster
+// (an upgrade, a rotation, a reboot, a shutdown, a restore) while it is
+// carried out, machine by machine, by ichor-controller.
+//
+// +kubebuilder:object:root=true
+// +kubebuilder:subresource:status
+// +kubebuilder:resource:scope=Namespaced,shortName=talosop,categories=ichor
+// +kubebuilder:printcolumn:name="Kind",type=string,JSONPath=`.spec.kind`
+// +kubebuilder:printcolumn:name="Phase",type=string,JSONPath=`.status.phase`
+// +kubebuilder:printcolumn:name="Progress",type=string,JSONPath=`.status.progress`
+// +kubebuilder:printcolumn:name="Current",type=string,JSONPath=`.status.current`
+// +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.reason`
+// +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+// +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.status.target`,priority=1
+// +kubebuilder:printcolumn:name="Lock",type=string,JSONPath=`.status.lock`,priority=1
+// +kubebuilder:validation:XValidation:rule="!has(oldSelf.status) || !has(oldSelf.status.phase) || oldSelf.status.phase == 'Pending' || (self.spec.kind == oldSelf.spec.kind && self.spec.?talos == oldSelf.spec.?talos && self.spec.?kubernetes == oldSelf.spec.?kubernetes && self.spec.?ichor == oldSelf.spec.?ichor && self.spec.?cni == oldSelf.spec.?cni && self.spec.?config == oldSelf.spec.?config && self.spec.?node == oldSelf.spec.?node && self.spec.?shutdown == oldSelf.spec.?shutdown && self.spec.?caRotation == oldSelf.spec.?caRotation && self.spec.?keyRotation == oldSelf.spec.?keyRotation && self.spec.?etcdRestore == oldSelf.spec.?etcdRestore && self.spec.?maxUnavailable == oldSelf.spec.?maxUnavailable && self.spec.?machines == oldSelf.spec.?machines && self.spec.?drain == oldSelf.spec.?drain)",message="spec is immutable once the operation has left Pending: only spec.paused and spec.override may change; create a new operation instead",fieldPath=".spec"
+type TalosOperation struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+
+	// +required
+	Spec TalosOperationSpec `json:"spec"`
+	// +optional
+	Status TalosOperationStatus `json:"status,omitempty"`
+}
+
+// TalosOperationList is a list of TalosOperations.
+//
+// +kubebuilder:object:root=true
+type TalosOperationList struct {
+	metav1.TypeMeta `json:",inline"`
+	metav1.ListMeta `json:"metadata,omitempty"`
+	Items           []TalosOperation `json:"items"`
+}

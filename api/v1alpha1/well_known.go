@@ -1,0 +1,58 @@
+package v1alpha1
+
+import "fmt"
+
+// Annotations and labels that users and tools set, part of the API.
+const (
+	// RetryAnnotation on an operation paused by a failed step asks the
+	// controller to run the failed step again. Only the value "true" counts.
+	RetryAnnotation = "ichor.maesh.dev/retry"
+	// RetryRequested is the one value of RetryAnnotation that is acted on.
+	RetryRequested = "true"
+
+	// UpgradeHoldAnnotation on a Node skips that machine (machine phase Skipped).
+	UpgradeHoldAnnotation = "ichor.maesh.dev/upgrade-hold"
+	// UpgradeOrderLabel (an integer) on a Node sorts machines within their tier.
+	UpgradeOrderLabel = "ichor.maesh.dev/upgrade-order"
+
+	// Finalizer keeps an operation until the step in flight has settled and
+	// the cluster lock is let go.
+	Finalizer = "ichor.maesh.dev/operation"
+
+	// ControlPlaneLabel marks control-plane Nodes.
+	ControlPlaneLabel = "node-role.kubernetes.io/control-plane"
+)
+
+// Cluster lock holder identities.
+const (
+	lockIdentityPrefix = "ichor-controller/"
+	opIdentityPrefix   = lockIdentityPrefix + "op/"
+	machineIdentity    = lockIdentityPrefix + "machine/"
+)
+
+// OperationIdentity is the cluster lock holder identity of an operation.
+func OperationIdentity(namespace, name string) string {
+	return fmt.Sprintf("%s%s/%s", opIdentityPrefix, namespace, name)
+}
+
+// MachineIdentity is the cluster lock holder identity of a control-plane join
+// or removal.
+func MachineIdentity(node string) string { return machineIdentity + node }
+
+// JobIdentity is the cluster lock holder identity of a Job (the Cilium Helm Job).
+func JobIdentity(namespace, name string) string {
+	return fmt.Sprintf("job/%s/%s", namespace, name)
+}
+
+// DangerousKind reports whether starting an operation of this kind (and
+// action, for kind node) can take the cluster down, so that it needs the
+// start verb on its own subresource.
+func DangerousKind(kind OperationKind, action NodeActionType) bool {
+	switch kind {
+	case KindShutdown, KindCARotation, KindKeyRotation, KindEtcdRestore:
+		return true
+	case KindNode:
+		return action == NodeReset
+	}
+	return false
+}
