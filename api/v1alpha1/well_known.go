@@ -23,6 +23,21 @@ const (
 	ControlPlaneLabel = "node-role.kubernetes.io/control-plane"
 )
 
+// Objects in the controller's namespace that the plugin reads too.
+const (
+	// DefaultNamespace is where ichor-controller runs.
+	DefaultNamespace = "ichor-system"
+	// LockLeaseName is the coordination.k8s.io/v1 Lease that is the cluster lock.
+	LockLeaseName = "ichor-cluster-lock"
+	// LeaderLeaseName is the controller's leader-election Lease (not the cluster lock).
+	LeaderLeaseName = "ichor-controller-leader"
+	// VersionAnnotation on the leader Lease carries the leading controller's version.
+	VersionAnnotation = "ichor.maesh.dev/version"
+	// TalosconfigSecret (key TalosconfigKey) holds the controller's talosconfig.
+	TalosconfigSecret = "ichor-talosconfig"
+	TalosconfigKey    = "talosconfig"
+)
+
 // Cluster lock holder identities.
 const (
 	lockIdentityPrefix = "ichor-controller/"
