@@ -62,7 +62,7 @@ spec:
 	}{
 		{[]string{"get", "talosop", "-n", ns}, []string{"NAME", "KIND", "PHASE", "PROGRESS", "CURRENT", "REASON", "AGE", "upgrade-talos", "talos", "Running", "3/7", "cp-2"}},
 		{[]string{"get", "talosop", "-n", ns, "-o", "wide"}, []string{"TARGET", "LOCK", "talos v1.13.7", "Held"}},
-		{[]string{"get", "ichor", "-n", ns}, []string{"talosoperation.ichor.maesh.dev/upgrade-talos"}},
+		{[]string{"get", "ichor", "-n", ns}, []string{"upgrade-talos", "Running"}},
 	}
 	for _, tt := range tests {
 		out, _, err := env.Kubectl(ctx, nil, tt.args...)

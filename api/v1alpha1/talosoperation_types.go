@@ -101,6 +101,7 @@ type TalosOperationSpec struct {
 	// +optional
 	Override bool `json:"override,omitempty"`
 	// Machines narrows the machines in scope to the Nodes this selector matches.
+	// +kubebuilder:validation:XValidation:rule="!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'] && ((e.operator in ['In', 'NotIn']) == (has(e.values) && size(e.values) > 0)))",message="spec.machines.matchExpressions: operator must be In, NotIn, Exists or DoesNotExist; In and NotIn need values, Exists and DoesNotExist take none"
 	// +optional
 	Machines *metav1.LabelSelector `json:"machines,omitempty"`
 	// Drain says how workloads are moved off a machine before it is disrupted.

@@ -155,7 +155,8 @@ func TestInvalidOperationsAreRefused(t *testing.T) {
 		{"etcd restore without snapshot", ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{}}, []string{"spec.etcdRestore.snapshot"}},
 		{"maxUnavailable below 1", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, MaxUnavailable: -1}, []string{"spec.maxUnavailable", "greater than or equal to 1"}},
 		{"drain bad onTimeout", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Drain: &ichorv1.Drain{OnTimeout: "ignore"}}, []string{"spec.drain.onTimeout"}},
-		{"bad selector", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Machines: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a"}}}}, []string{"spec.machines.matchExpressions[0].operator"}},
+		{"bad selector", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Machines: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a"}}}}, []string{"spec.machines", "operator must be In, NotIn, Exists or DoesNotExist"}},
+		{"selector In without values", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Machines: &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{{Key: "a", Operator: metav1.LabelSelectorOpIn}}}}, []string{"spec.machines", "In and NotIn need values"}},
 	}
 	if len(tests) < 30 {
 		t.Fatalf("only %d invalid cases; the issue asks for at least 30", len(tests))
