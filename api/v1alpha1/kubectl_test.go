@@ -13,7 +13,9 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
 
-func keyOf(ns, name string) types.NamespacedName { return types.NamespacedName{Namespace: ns, Name: name} }
+func keyOf(ns, name string) types.NamespacedName {
+	return types.NamespacedName{Namespace: ns, Name: name}
+}
 
 // TestKubectlInstallsAndPrints drives the real kubectl: `kubectl apply -k
 // manifests` installs Ichor and `kubectl get talosop` prints the CRD's columns.
