@@ -1,0 +1,198 @@
+// Package plan decides the order in which an operation works on its
+// machines and which of them may start now. It is pure: the operation
+// reconciler feeds it the machines and their state and writes its answers to
+// status.
+//
+// The rules: control planes first, strictly one at a time; workers after,
+// up to maxUnavailable at once, counting workers that are already NotReady or
+// cordoned against that budget. A machine carrying the upgrade-hold
+// annotation is skipped; the upgrade-order label sorts machines within their
+// tier (ascending, labelled before unlabelled, then by name).
+package plan
+
+import (
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+// Machine is what the plan needs to know of one machine.
+type Machine struct {
+	Name string
+	Role ichorv1.MachineRole
+	// Labels and Annotations are the Node's (for the order label and hold annotation).
+	Labels      map[string]string
+	Annotations map[string]string
+	// Version is what the machine runs now (recorded as `from`).
+	Version string
+}
+
+// Order sorts machines into execution order: control planes, then workers;
+// within a tier by the upgrade-order label ascending (a label that is not an
+// integer counts as absent), unlabelled after labelled, then by name.
+func Order(ms []Machine) []Machine {
+	out := append([]Machine(nil), ms...)
+	sort.SliceStable(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if ta, tb := tier(a.Role), tier(b.Role); ta != tb {
+			return ta < tb
+		}
+		oa, okA := order(a)
+		ob, okB := order(b)
+		switch {
+		case okA && okB && oa != ob:
+			return oa < ob
+		case okA != okB:
+			return okA
+		}
+		return a.Name < b.Name
+	})
+	return out
+}
+
+func tier(r ichorv1.MachineRole) int {
+	if r == ichorv1.RoleControlPlane {
+		return 0
+	}
+	return 1
+}
+
+func order(m Machine) (int, bool) {
+	v, ok := m.Labels[ichorv1.UpgradeOrderLabel]
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(v))
+	return n, err == nil
+}
+
+// Held says whether the machine carries the hold annotation, and why.
+func Held(m Machine) (bool, string) {
+	v, ok := m.Annotations[ichorv1.UpgradeHoldAnnotation]
+	if !ok {
+		return false, ""
+	}
+	msg := "held by annotation " + ichorv1.UpgradeHoldAnnotation
+	if v = strings.TrimSpace(v); v != "" && v != "true" {
+		msg += ": " + v
+	}
+	return true, msg
+}
+
+// Initial builds the status entries of an operation that has not started:
+// one per machine, in execution order, held machines Skipped with the reason.
+// honourHold is false for kinds that name their machine explicitly.
+func Initial(ms []Machine, to string, honourHold bool) []ichorv1.MachineStatus {
+	ordered := Order(ms)
+	out := make([]ichorv1.MachineStatus, 0, len(ordered))
+	for _, m := range ordered {
+		st := ichorv1.MachineStatus{Name: m.Name, Role: m.Role, Phase: ichorv1.MachinePending, From: m.Version, To: to}
+		if held, why := Held(m); held && honourHold {
+			st.Phase, st.Message = ichorv1.MachineSkipped, why
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// Done reports whether a machine needs no more work.
+func Done(p ichorv1.MachinePhase) bool {
+	return p == ichorv1.MachineSucceeded || p == ichorv1.MachineSkipped
+}
+
+// Next picks the machines that may start now (by index into machines), or
+// says why none can. unavailable holds the workers of the cluster that are
+// NotReady or cordoned right now (whether in scope or not).
+func Next(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnavailable int) ([]int, string) {
+	if maxUnavailable < 1 {
+		maxUnavailable = 1
+	}
+	for i, m := range machines {
+		if m.Role != ichorv1.RoleControlPlane || Done(m.Phase) {
+			continue
+		}
+		if m.Phase == ichorv1.MachinePending {
+			return []int{i}, ""
+		}
+		// A control plane in progress (or failed) holds back everything else.
+		return nil, ""
+	}
+	disrupted := map[string]bool{}
+	for name := range unavailable {
+		disrupted[name] = true
+	}
+	for _, m := range machines {
+		if m.Role == ichorv1.RoleWorker && (m.Phase == ichorv1.MachineInProgress || m.Phase == ichorv1.MachineFailed) {
+			disrupted[m.Name] = true
+		}
+	}
+	var start []int
+	blocked := false
+	for i, m := range machines {
+		if m.Role != ichorv1.RoleWorker || m.Phase != ichorv1.MachinePending {
+			continue
+		}
+		// Working on a worker that is already down adds no disruption.
+		if !disrupted[m.Name] && len(disrupted) >= maxUnavailable {
+			blocked = true
+			continue
+		}
+		disrupted[m.Name] = true
+		start = append(start, i)
+	}
+	if len(start) == 0 && blocked {
+		return nil, waitingMessage(machines, unavailable, maxUnavailable)
+	}
+	return start, ""
+}
+
+func waitingMessage(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnavailable int) string {
+	inOp := map[string]bool{}
+	for _, m := range machines {
+		if m.Phase == ichorv1.MachineInProgress {
+			inOp[m.Name] = true
+		}
+	}
+	var others []string
+	for name := range unavailable {
+		if !inOp[name] {
+			others = append(others, name)
+		}
+	}
+	if len(others) == 0 {
+		return ""
+	}
+	sort.Strings(others)
+	return fmt.Sprintf("waiting for workers to come back: %d already NotReady or cordoned (%s) with maxUnavailable %d",
+		len(others), strings.Join(others, ", "), maxUnavailable)
+}
+
+// Progress summarises machines done (succeeded or skipped) over machines in scope, like 3/7.
+func Progress(machines []ichorv1.MachineStatus) string {
+	done := 0
+	for _, m := range machines {
+		if Done(m.Phase) {
+			done++
+		}
+	}
+	return fmt.Sprintf("%d/%d", done, len(machines))
+}
+
+// Current names the machines being worked on, for the printer column.
+func Current(machines []ichorv1.MachineStatus) string {
+	var names []string
+	for _, m := range machines {
+		if m.Phase == ichorv1.MachineInProgress || m.Phase == ichorv1.MachineFailed {
+			names = append(names, m.Name)
+		}
+	}
+	switch {
+	case len(names) > 3:
+		return fmt.Sprintf("%s +%d", strings.Join(names[:3], ","), len(names)-3)
+	default:
+		return strings.Join(names, ",")
+	}
+}

@@ -1,0 +1,146 @@
+package plan
+
+import (
+	"reflect"
+	"testing"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+const (
+	cp = ichorv1.RoleControlPlane
+	w  = ichorv1.RoleWorker
+)
+
+func names(ms []Machine) []string {
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.Name)
+	}
+	return out
+}
+
+func labelled(name string, role ichorv1.MachineRole, order string) Machine {
+	m := Machine{Name: name, Role: role}
+	if order != "" {
+		m.Labels = map[string]string{ichorv1.UpgradeOrderLabel: order}
+	}
+	return m
+}
+
+func TestOrder(t *testing.T) {
+	tests := []struct {
+		name string
+		in   []Machine
+		want []string
+	}{
+		{"control planes first", []Machine{{Name: "a", Role: w}, {Name: "z", Role: cp}, {Name: "b", Role: cp}}, []string{"b", "z", "a"}},
+		{"by name within a tier", []Machine{{Name: "w3", Role: w}, {Name: "w1", Role: w}, {Name: "w2", Role: w}}, []string{"w1", "w2", "w3"}},
+		{"order label ascending, unlabelled last", []Machine{labelled("w1", w, ""), labelled("w2", w, "10"), labelled("w3", w, "2"), labelled("w0", w, "")}, []string{"w3", "w2", "w0", "w1"}},
+		{"numeric, not lexical", []Machine{labelled("a", w, "10"), labelled("b", w, "9")}, []string{"b", "a"}},
+		{"negative orders first", []Machine{labelled("a", w, "1"), labelled("b", w, "-1")}, []string{"b", "a"}},
+		{"a label that is not an integer counts as absent", []Machine{labelled("a", w, "first"), labelled("b", w, "3")}, []string{"b", "a"}},
+		{"equal orders by name", []Machine{labelled("b", w, "1"), labelled("a", w, "1")}, []string{"a", "b"}},
+		{"order label does not cross tiers", []Machine{labelled("w", w, "-5"), labelled("c", cp, "5")}, []string{"c", "w"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := names(Order(tt.in)); !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("Order = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestInitialSkipsHeldMachines(t *testing.T) {
+	ms := []Machine{
+		{Name: "w1", Role: w, Version: "v1.12.4"},
+		{Name: "w2", Role: w, Annotations: map[string]string{ichorv1.UpgradeHoldAnnotation: "disk replacement"}},
+		{Name: "w3", Role: w, Annotations: map[string]string{ichorv1.UpgradeHoldAnnotation: ""}},
+		{Name: "c1", Role: cp},
+	}
+	got := Initial(ms, "v1.13.7", true)
+	want := []ichorv1.MachineStatus{
+		{Name: "c1", Role: cp, Phase: ichorv1.MachinePending, To: "v1.13.7"},
+		{Name: "w1", Role: w, Phase: ichorv1.MachinePending, From: "v1.12.4", To: "v1.13.7"},
+		{Name: "w2", Role: w, Phase: ichorv1.MachineSkipped, To: "v1.13.7", Message: "held by annotation ichor.maesh.dev/upgrade-hold: disk replacement"},
+		{Name: "w3", Role: w, Phase: ichorv1.MachineSkipped, To: "v1.13.7", Message: "held by annotation ichor.maesh.dev/upgrade-hold"},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("Initial =\n%+v\nwant\n%+v", got, want)
+	}
+	for _, m := range Initial(ms, "", false) {
+		if m.Phase != ichorv1.MachinePending {
+			t.Errorf("with honourHold=false %s is %s", m.Name, m.Phase)
+		}
+	}
+}
+
+func st(name string, role ichorv1.MachineRole, phase ichorv1.MachinePhase) ichorv1.MachineStatus {
+	return ichorv1.MachineStatus{Name: name, Role: role, Phase: phase}
+}
+
+func TestNext(t *testing.T) {
+	const (
+		P = ichorv1.MachinePending
+		I = ichorv1.MachineInProgress
+		S = ichorv1.MachineSucceeded
+		K = ichorv1.MachineSkipped
+		F = ichorv1.MachineFailed
+	)
+	tests := []struct {
+		name        string
+		machines    []ichorv1.MachineStatus
+		unavailable []string
+		max         int
+		want        []int
+		wantWhy     string
+	}{
+		{"first control plane alone", []ichorv1.MachineStatus{st("c1", cp, P), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{0}, ""},
+		{"one control plane at a time", []ichorv1.MachineStatus{st("c1", cp, I), st("c2", cp, P), st("w1", w, P)}, nil, 5, nil, ""},
+		{"next control plane once the first is done", []ichorv1.MachineStatus{st("c1", cp, S), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{1}, ""},
+		{"a failed control plane holds everything", []ichorv1.MachineStatus{st("c1", cp, F), st("w1", w, P)}, nil, 5, nil, ""},
+		{"skipped control planes do not block", []ichorv1.MachineStatus{st("c1", cp, K), st("w1", w, P)}, nil, 1, []int{1}, ""},
+		{"workers in a batch of maxUnavailable", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, P), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1, 2}, ""},
+		{"in-progress workers count", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1}, ""},
+		{"budget full", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, I), st("w3", w, P)}, nil, 2, nil, ""},
+		{"a NotReady worker outside the operation counts", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, []string{"x9"}, 2, []int{0}, ""},
+		{"budget used up by others: say why", []ichorv1.MachineStatus{st("w1", w, P)}, []string{"x9", "x8"}, 2, nil, "waiting for workers to come back: 2 already NotReady or cordoned (x8, x9) with maxUnavailable 2"},
+		{"a worker that is already down may start", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, []string{"w2", "x9"}, 2, []int{1}, ""},
+		{"done workers free their slot", []ichorv1.MachineStatus{st("w1", w, S), st("w2", w, K), st("w3", w, P)}, nil, 1, []int{2}, ""},
+		{"all done", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, S)}, nil, 1, nil, ""},
+		{"zero budget is one", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, nil, 0, []int{0}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			un := map[string]bool{}
+			for _, n := range tt.unavailable {
+				un[n] = true
+			}
+			got, why := Next(tt.machines, un, tt.max)
+			if !reflect.DeepEqual(got, tt.want) || why != tt.wantWhy {
+				t.Errorf("Next = %v %q, want %v %q", got, why, tt.want, tt.wantWhy)
+			}
+		})
+	}
+}
+
+func TestSummaries(t *testing.T) {
+	ms := []ichorv1.MachineStatus{
+		st("c1", cp, ichorv1.MachineSucceeded), st("w1", w, ichorv1.MachineSkipped),
+		st("w2", w, ichorv1.MachineInProgress), st("w3", w, ichorv1.MachineInProgress), st("w4", w, ichorv1.MachinePending),
+	}
+	if got := Progress(ms); got != "2/5" {
+		t.Errorf("Progress = %q", got)
+	}
+	if got := Current(ms); got != "w2,w3" {
+		t.Errorf("Current = %q", got)
+	}
+	many := []ichorv1.MachineStatus{}
+	for _, n := range []string{"a", "b", "c", "d", "e"} {
+		many = append(many, st(n, w, ichorv1.MachineInProgress))
+	}
+	if got := Current(many); got != "a,b,c +2" {
+		t.Errorf("Current(many) = %q", got)
+	}
+}
