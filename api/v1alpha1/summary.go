@@ -1,0 +1,121 @@
+package v1alpha1
+
+import (
+	"fmt"
+	"strings"
+)
+
+// The functions in this file read an operation's state the same way for the
+// plugin (exit codes, hints, completion) and the controller (lock takeover,
+// retry handling). They are pure: no clock, no client.
+
+// Succeeded reports whether the operation is done.
+func (o *TalosOperation) Succeeded() bool { return o.Status.Phase == PhaseSucceeded }
+
+// Refused reports whether preflight refused the operation (nothing ran).
+func (o *TalosOperation) Refused() bool { return o.Status.Phase == PhaseRefused }
+
+// StepFailed reports whether a failed step holds the operation: failureReason
+// is set exactly then, whether or not an operator has paused it as well.
+func (o *TalosOperation) StepFailed() bool { return o.Status.FailureReason != "" }
+
+// PausedByOperator reports whether an operator has paused the operation
+// (spec.paused), whatever else holds it.
+func (o *TalosOperation) PausedByOperator() bool { return o.Spec.Paused }
+
+// RetryPending reports whether a retry request waits for the controller: the
+// retry annotation is set to "true" (any other value is ignored).
+func (o *TalosOperation) RetryPending() bool {
+	return o.Annotations[RetryAnnotation] == RetryRequested
+}
+
+// Observed reports whether the status reflects the current spec generation.
+func (o *TalosOperation) Observed() bool {
+	return o.Status.ObservedGeneration >= o.Generation
+}
+
+// WaitingForLock reports whether the operation waits for the cluster lock.
+func (o *TalosOperation) WaitingForLock() bool { return o.Status.Lock == LockWaiting }
+
+// Failed reports whether the operation has stopped on a failure and will not
+// move again until someone acts: a step failed and no retry is pending, or
+// preflight refused it and the controller has seen the current spec (setting
+// spec.override on a refused operation makes it run once observed).
+func (o *TalosOperation) Failed() bool {
+	if o.StepFailed() && !o.RetryPending() {
+		return true
+	}
+	return o.Refused() && (!o.Spec.Override || o.Observed())
+}
+
+// Finished reports whether the operation has reached an end that only a
+// person can change: it succeeded, or it Failed.
+func (o *TalosOperation) Finished() bool { return o.Succeeded() || o.Failed() }
+
+// FailedMachine returns the first machine whose step failed, or nil.
+func (s *TalosOperationStatus) FailedMachine() *MachineStatus {
+	for i := range s.Machines {
+		if s.Machines[i].Phase == MachineFailed {
+			return &s.Machines[i]
+		}
+	}
+	return nil
+}
+
+// HolderKind is what holds the cluster lock.
+type HolderKind string
+
+// Kinds of cluster lock holders.
+const (
+	HolderOperation HolderKind = "operation"
+	HolderMachine   HolderKind = "machine"
+	HolderJob       HolderKind = "job"
+)
+
+// LockHolder is a parsed cluster lock holder identity.
+type LockHolder struct {
+	Kind HolderKind
+	// Namespace is empty for a machine.
+	Namespace string
+	// Name is the operation's, the Node's or the Job's name.
+	Name string
+}
+
+// String is the holder's identity, as OperationIdentity, MachineIdentity
+// and JobIdentity write it.
+func (h LockHolder) String() string {
+	switch h.Kind {
+	case HolderOperation:
+		return OperationIdentity(h.Namespace, h.Name)
+	case HolderMachine:
+		return MachineIdentity(h.Name)
+	case HolderJob:
+		return JobIdentity(h.Namespace, h.Name)
+	}
+	return ""
+}
+
+// ParseLockHolder reads a cluster lock holder identity written by
+// OperationIdentity, MachineIdentity or JobIdentity.
+func ParseLockHolder(identity string) (LockHolder, error) {
+	nsName := func(kind HolderKind, rest string) (LockHolder, error) {
+		ns, name, ok := strings.Cut(rest, "/")
+		if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
+			return LockHolder{}, fmt.Errorf("lock holder %q: want %s<namespace>/<name>", identity, strings.TrimSuffix(identity, rest))
+		}
+		return LockHolder{Kind: kind, Namespace: ns, Name: name}, nil
+	}
+	switch {
+	case strings.HasPrefix(identity, opIdentityPrefix):
+		return nsName(HolderOperation, strings.TrimPrefix(identity, opIdentityPrefix))
+	case strings.HasPrefix(identity, machineIdentity):
+		node := strings.TrimPrefix(identity, machineIdentity)
+		if node == "" || strings.Contains(node, "/") {
+			return LockHolder{}, fmt.Errorf("lock holder %q: want %s<node>", identity, machineIdentity)
+		}
+		return LockHolder{Kind: HolderMachine, Name: node}, nil
+	case strings.HasPrefix(identity, "job/"):
+		return nsName(HolderJob, strings.TrimPrefix(identity, "job/"))
+	}
+	return LockHolder{}, fmt.Errorf("lock holder %q: not an operation (%s), machine (%s) or job (job/) identity", identity, opIdentityPrefix, machineIdentity)
+}
