@@ -27,19 +27,22 @@ type ClusterJudge struct {
 
 // Stale implements Judge.
 func (j ClusterJudge) Stale(ctx context.Context, holder string) (bool, string, error) {
-	id := Parse(holder)
+	id, err := ichorv1.ParseLockHolder(holder)
+	if err != nil {
+		return false, "", nil
+	}
 	switch id.Kind {
-	case "op":
+	case ichorv1.HolderOperation:
 		return j.staleOperation(ctx, id)
-	case "machine":
+	case ichorv1.HolderMachine:
 		return j.staleMachine(ctx, id.Name)
-	case "job":
+	case ichorv1.HolderJob:
 		return j.staleJob(ctx, id)
 	}
 	return false, "", nil
 }
 
-func (j ClusterJudge) staleOperation(ctx context.Context, id Identity) (bool, string, error) {
+func (j ClusterJudge) staleOperation(ctx context.Context, id ichorv1.LockHolder) (bool, string, error) {
 	op := &ichorv1.TalosOperation{}
 	err := j.Client.Get(ctx, client.ObjectKey{Namespace: id.Namespace, Name: id.Name}, op)
 	if apierrors.IsNotFound(err) {
@@ -49,11 +52,11 @@ func (j ClusterJudge) staleOperation(ctx context.Context, id Identity) (bool, st
 		return false, "", err
 	}
 	switch {
-	case op.Status.Phase == ichorv1.PhaseSucceeded:
+	case op.Succeeded():
 		return true, "completed", nil
-	case op.Status.Phase == ichorv1.PhaseRefused:
+	case op.Refused():
 		return true, "refused", nil
-	case op.Status.FailureReason != "" && !op.Spec.Paused:
+	case op.StepFailed() && !op.PausedByOperator():
 		return true, "paused on a failed step", nil
 	}
 	return false, "", nil
@@ -101,7 +104,7 @@ func (j ClusterJudge) resetInProgress(ctx context.Context, machine string) (bool
 	return false, nil
 }
 
-func (j ClusterJudge) staleJob(ctx context.Context, id Identity) (bool, string, error) {
+func (j ClusterJudge) staleJob(ctx context.Context, id ichorv1.LockHolder) (bool, string, error) {
 	r := j.Jobs
 	if r == nil {
 		r = j.Client

@@ -14,7 +14,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -200,27 +199,4 @@ func (l *Lock) Release(ctx context.Context, identity string) (held time.Duration
 		held = l.now().Sub(st.Since)
 	}
 	return held, true, nil
-}
-
-// Identity is a parsed holder identity.
-type Identity struct {
-	// Kind is "op", "machine" or "job" ("" when the identity is not one of Ichor's).
-	Kind      string
-	Namespace string
-	Name      string
-}
-
-// Parse splits a holder identity: ichor-controller/op/<ns>/<name>,
-// ichor-controller/machine/<node> or job/<ns>/<name>.
-func Parse(id string) Identity {
-	parts := strings.Split(id, "/")
-	switch {
-	case len(parts) == 4 && parts[0] == "ichor-controller" && parts[1] == "op":
-		return Identity{Kind: "op", Namespace: parts[2], Name: parts[3]}
-	case len(parts) == 3 && parts[0] == "ichor-controller" && parts[1] == "machine":
-		return Identity{Kind: "machine", Name: parts[2]}
-	case len(parts) == 3 && parts[0] == "job":
-		return Identity{Kind: "job", Namespace: parts[1], Name: parts[2]}
-	}
-	return Identity{}
 }

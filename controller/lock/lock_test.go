@@ -229,21 +229,3 @@ func TestTakeoverRules(t *testing.T) {
 		})
 	}
 }
-
-func TestParse(t *testing.T) {
-	tests := []struct {
-		in   string
-		want lock.Identity
-	}{
-		{"ichor-controller/op/prod/upgrade", lock.Identity{Kind: "op", Namespace: "prod", Name: "upgrade"}},
-		{"ichor-controller/machine/cp-1", lock.Identity{Kind: "machine", Name: "cp-1"}},
-		{"job/kube-system/cilium-helm", lock.Identity{Kind: "job", Namespace: "kube-system", Name: "cilium-helm"}},
-		{"ichor-controller/op/only-ns", lock.Identity{}},
-		{"", lock.Identity{}},
-	}
-	for _, tt := range tests {
-		if got := lock.Parse(tt.in); got != tt.want {
-			t.Errorf("Parse(%q) = %+v, want %+v", tt.in, got, tt.want)
-		}
-	}
-}

@@ -1,0 +1,144 @@
+// Package executor holds one executor per operation kind. An executor only
+// says which machines are in scope, which steps exist for each machine and
+// how each step is done and verified; the operation reconciler drives them,
+// records every step in status before it runs, and owns the lock, the order
+// and pause, resume and retry, which are the same for every kind.
+package executor
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+	"unicode"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+// Executor is what a kind adds to the shared driver.
+type Executor interface {
+	// Target summarises what the operation moves to (status.target), and the
+	// version every machine ends on ("" when the kind changes no version).
+	Target(op *ichorv1.TalosOperation) (summary, to string)
+	// Scope picks the machines the operation works on from the Nodes that
+	// spec.machines selects. An error refuses the operation.
+	Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error)
+	// HonourHold says whether the upgrade-hold annotation skips machines.
+	HonourHold() bool
+	// Check returns the kind's own refusals (besides the version preflight),
+	// such as an etcd action on a worker. It may read the Talos API.
+	Check(ctx context.Context, e *Env) []string
+	// Steps lists a machine's steps in order. It may depend on what earlier
+	// steps recorded in the machine's status (its From version, say).
+	Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []Step
+}
+
+// Step is one step on one machine. Exactly one of Run and Wait is set.
+type Step struct {
+	Name string
+	// Run performs the step and returns when it is done or failed. It runs
+	// outside the reconcile loop, after the reconciler has recorded in status
+	// that the step is starting, and must be idempotent: a restarted
+	// controller runs an interrupted step again.
+	Run func(ctx context.Context, e *Env) (Outcome, error)
+	// Wait checks, on every reconcile (Node events drive them), whether what
+	// the step waits for has happened. It must be quick.
+	Wait func(ctx context.Context, e *Env) (done bool, o Outcome, err error)
+	// Timeout bounds the step; zero means the reconciler's default.
+	Timeout time.Duration
+}
+
+// Outcome is what a finished step records.
+type Outcome struct {
+	// Done means the machine needs nothing more (it is already on the target).
+	Done bool
+	// Message replaces the machine's message.
+	Message string
+	// BootID and From, when set, are recorded on the machine.
+	BootID string
+	From   string
+	// Next names the step to go to instead of the following one.
+	Next string
+}
+
+// Env is what a step may use. Everything in it is read-only; a step reports
+// what to record through its Outcome.
+type Env struct {
+	Op      *ichorv1.TalosOperation
+	Machine ichorv1.MachineStatus
+	// Node is the machine's Node as the cache has it now (nil if it is gone).
+	Node *corev1.Node
+	// Address is the machine's Talos node address.
+	Address string
+	// ControlPlanes are the Talos addresses of every control plane.
+	ControlPlanes []string
+	Talos         *talosclient.Client
+	Kube          client.Client
+	Clientset     kubernetes.Interface
+	// Identity is the operation's lock identity (it marks the cordons it makes).
+	Identity string
+	Log      logr.Logger
+}
+
+// StepError is a failed step. The reconciler pauses the operation with
+// Reason as status.failureReason and never retries it by itself.
+type StepError struct {
+	// Reason is a CamelCase word for status.failureReason.
+	Reason string
+	// RetryFrom is the step a retry runs again; empty means the failed step.
+	RetryFrom string
+	Err       error
+}
+
+func (e *StepError) Error() string { return e.Err.Error() }
+func (e *StepError) Unwrap() error { return e.Err }
+
+// Fail builds a StepError.
+func Fail(reason string, format string, args ...any) error {
+	return &StepError{Reason: reason, Err: fmt.Errorf(format, args...)}
+}
+
+// FailureReason turns a step name into the failureReason of an error that
+// did not name one: "etcd-health" fails as "EtcdHealthFailed".
+func FailureReason(step string) string {
+	var b strings.Builder
+	up := true
+	for _, r := range step {
+		if r == '-' || r == '_' || r == ' ' {
+			up = true
+			continue
+		}
+		if up {
+			r = unicode.ToUpper(r)
+			up = false
+		}
+		b.WriteRune(r)
+	}
+	return b.String() + "Failed"
+}
+
+// Registry maps kinds to their executors.
+type Registry map[ichorv1.OperationKind]Executor
+
+// Default is the registry of the kinds this controller carries out.
+func Default() Registry {
+	return Registry{
+		ichorv1.KindTalos: TalosUpgrade{},
+		ichorv1.KindNode:  NodeAction{},
+	}
+}
+
+// LockIdentifier is implemented by executors whose operations take the
+// cluster lock under another identity than the operation's own (a
+// control-plane reset is a removal, held under the machine's identity). An
+// empty identity means the operation's own.
+type LockIdentifier interface {
+	LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string
+}

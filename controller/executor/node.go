@@ -1,0 +1,248 @@
+package executor
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/talos"
+)
+
+// Steps of the node kind.
+const (
+	StepRecordBoot     = "record-boot"
+	StepShutdown       = "shutdown"
+	StepReset          = "reset"
+	StepWaitDown       = "wait-down"
+	StepRestartService = "restart-service"
+	StepDefragment     = "etcd-defrag"
+	StepForfeit        = "etcd-forfeit-leadership"
+)
+
+// NodeAction is one action on one machine: reboot (verified by a new boot ID
+// and the Node Ready), shutdown, restart-service (verified by the Service
+// coming back healthy), etcd-defrag, etcd-forfeit-leadership (verified by
+// the new leader) and reset. Disruptive actions on a control plane are
+// preceded by the etcd health check, and machines are cordoned and drained
+// first (unless spec.drain.disabled).
+type NodeAction struct{}
+
+// Target implements Executor.
+func (NodeAction) Target(op *ichorv1.TalosOperation) (string, string) {
+	n := op.Spec.Node
+	if n == nil {
+		return "", ""
+	}
+	s := fmt.Sprintf("%s %s", n.Action, n.Machine)
+	if n.Service != "" {
+		s = fmt.Sprintf("restart %s on %s", n.Service, n.Machine)
+	}
+	return s, ""
+}
+
+// Scope implements Executor: the one machine named.
+func (NodeAction) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+	name := op.Spec.Node.Machine
+	for _, n := range nodes {
+		if n.Name == name {
+			return []corev1.Node{n}, nil
+		}
+	}
+	if op.Spec.Machines != nil {
+		return nil, fmt.Errorf("machine %s is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector", name)
+	}
+	return nil, fmt.Errorf("machine %s is not a Node of this cluster: check the name with `kubectl get nodes`", name)
+}
+
+// HonourHold implements Executor: a node action names its machine explicitly.
+func (NodeAction) HonourHold() bool { return false }
+
+// Check implements Executor: actions that make no sense on the machine.
+func (NodeAction) Check(ctx context.Context, e *Env) []string {
+	n := e.Op.Spec.Node
+	cp := e.Machine.Role == ichorv1.RoleControlPlane
+	switch n.Action {
+	case ichorv1.NodeEtcdDefrag, ichorv1.NodeEtcdForfeitLeadership:
+		if !cp {
+			return []string{fmt.Sprintf("%s is a worker: %s runs only on control planes, which run etcd", e.Machine.Name, n.Action)}
+		}
+		if n.Action == ichorv1.NodeEtcdForfeitLeadership {
+			ms, err := talos.EtcdMembers(ctx, e.Talos, e.Address)
+			if err != nil {
+				return []string{fmt.Sprintf("cannot read the etcd members from %s: %v", e.Machine.Name, err)}
+			}
+			if len(ms) < 2 {
+				return []string{fmt.Sprintf("etcd has %d member(s): there is no other member to forfeit leadership to", len(ms))}
+			}
+		}
+	case ichorv1.NodeRestartService:
+		if n.Service != "kubelet" && !strings.HasPrefix(n.Service, "ext-") {
+			return []string{fmt.Sprintf("service %q cannot be restarted through the Talos API: only kubelet and extension services (ext-*) can", n.Service)}
+		}
+	}
+	return nil
+}
+
+// LockIdentity implements LockIdentifier: resetting a control plane is a
+// removal, which takes the lock under the machine's identity.
+func (NodeAction) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
+	if op.Spec.Node.Action == ichorv1.NodeReset && role == ichorv1.RoleControlPlane {
+		return ichorv1.MachineIdentity(op.Spec.Node.Machine)
+	}
+	return ""
+}
+
+// Steps implements Executor.
+func (NodeAction) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []Step {
+	n := op.Spec.Node
+	cp := m.Role == ichorv1.RoleControlPlane
+	drainOn := op.Spec.Drain == nil || !op.Spec.Drain.Disabled
+	var steps []Step
+	disrupt := func(graceful bool) {
+		if cp {
+			steps = append(steps, etcdHealthStep())
+		}
+		if drainOn && graceful {
+			steps = append(steps, cordonStep(), drainStep())
+		}
+	}
+	switch n.Action {
+	case ichorv1.NodeReboot:
+		steps = append(steps, recordBootStep())
+		disrupt(true)
+		steps = append(steps, nodeRebootStep(), rebootedStep(nil, StepRecordBoot))
+		if drainOn {
+			steps = append(steps, uncordonStep())
+		}
+	case ichorv1.NodeShutdown:
+		disrupt(true)
+		steps = append(steps, shutdownStep(), waitDownStep())
+	case ichorv1.NodeReset:
+		graceful := n.Reset == nil || ptr.Deref(n.Reset.Graceful, true)
+		disrupt(graceful)
+		steps = append(steps, resetStep(), waitDownStep())
+	case ichorv1.NodeRestartService:
+		steps = append(steps, restartServiceStep())
+	case ichorv1.NodeEtcdDefrag:
+		steps = append(steps, defragStep())
+	case ichorv1.NodeEtcdForfeitLeadership:
+		steps = append(steps, forfeitStep())
+	}
+	return steps
+}
+
+func recordBootStep() Step {
+	return Step{Name: StepRecordBoot, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
+		if err != nil {
+			return Outcome{}, fmt.Errorf("inspect %s: %w", e.Machine.Name, err)
+		}
+		return Outcome{BootID: f.BootID, From: f.Version}, nil
+	}}
+}
+
+func nodeRebootStep() Step {
+	return Step{Name: StepReboot, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if rebooting(ctx, e) {
+			return Outcome{}, nil
+		}
+		if err := talos.Reboot(ctx, e.Talos, e.Address, false); err != nil {
+			return Outcome{}, Fail("RebootFailed", "reboot %s: %w", e.Machine.Name, err)
+		}
+		return Outcome{Message: "rebooting"}, nil
+	}}
+}
+
+func shutdownStep() Step {
+	return Step{Name: StepShutdown, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if !talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
+			return Outcome{}, nil // already down
+		}
+		if err := talos.Shutdown(ctx, e.Talos, e.Address, false); err != nil {
+			return Outcome{}, Fail("ShutdownFailed", "shut down %s: %w", e.Machine.Name, err)
+		}
+		return Outcome{Message: "shutting down"}, nil
+	}}
+}
+
+func resetStep() Step {
+	return Step{Name: StepReset, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if !talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
+			return Outcome{}, nil
+		}
+		r := e.Op.Spec.Node.Reset
+		graceful, reboot, wipe := true, false, talos.WipeAll
+		if r != nil {
+			graceful, reboot = ptr.Deref(r.Graceful, true), r.Reboot
+			switch r.Wipe {
+			case ichorv1.WipeSystemDisk:
+				wipe = talos.WipeSystemDisk
+			case ichorv1.WipeEphemeral:
+				wipe = talos.WipeEphemeral
+			}
+		}
+		if err := talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe); err != nil {
+			return Outcome{}, Fail("ResetFailed", "reset %s: %w", e.Machine.Name, err)
+		}
+		return Outcome{Message: "resetting"}, nil
+	}}
+}
+
+// waitDownStep waits until the machine has gone: its Node NotReady and the
+// Talos API no longer answering.
+func waitDownStep() Step {
+	return Step{Name: StepWaitDown, Timeout: 15 * time.Minute, Wait: func(ctx context.Context, e *Env) (bool, Outcome, error) {
+		if e.Node != nil && machine.Ready(e.Node) {
+			return false, Outcome{Message: "waiting for the machine to go down"}, nil
+		}
+		if talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
+			return false, Outcome{Message: "waiting for the Talos API to stop answering"}, nil
+		}
+		return true, Outcome{Message: "down"}, nil
+	}}
+}
+
+func restartServiceStep() Step {
+	return Step{Name: StepRestartService, Timeout: 5 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		svc := e.Op.Spec.Node.Service
+		if err := talos.RestartService(ctx, e.Talos, e.Address, svc); err != nil {
+			return Outcome{}, Fail("RestartFailed", "%s on %s: %w", svc, e.Machine.Name, err)
+		}
+		return Outcome{Message: svc + " restarted and healthy"}, nil
+	}}
+}
+
+func defragStep() Step {
+	return Step{Name: StepDefragment, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := talos.Defragment(ctx, e.Talos, e.Address); err != nil {
+			return Outcome{}, Fail("DefragmentFailed", "%s: %w", e.Machine.Name, err)
+		}
+		return Outcome{Message: "etcd defragmented"}, nil
+	}}
+}
+
+func forfeitStep() Step {
+	return Step{Name: StepForfeit, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		leader, err := talos.IsLeader(ctx, e.Talos, e.Address)
+		if err != nil {
+			return Outcome{}, fmt.Errorf("%s: %w", e.Machine.Name, err)
+		}
+		if !leader {
+			return Outcome{Message: "not the etcd leader: nothing to forfeit"}, nil
+		}
+		to, err := talos.ForfeitLeadership(ctx, e.Talos, e.Address)
+		if err != nil {
+			return Outcome{}, Fail("ForfeitFailed", "%s: %w", e.Machine.Name, err)
+		}
+		if still, err := talos.IsLeader(ctx, e.Talos, e.Address); err != nil || still {
+			return Outcome{}, Fail("ForfeitFailed", "%s is still the etcd leader after forfeiting (err: %v)", e.Machine.Name, err)
+		}
+		return Outcome{Message: "etcd leadership moved to " + to}, nil
+	}}
+}

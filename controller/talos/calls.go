@@ -1,0 +1,239 @@
+package talos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/blang/semver/v4"
+	"github.com/cosi-project/runtime/pkg/safe"
+	"github.com/siderolabs/talos/pkg/machinery/api/common"
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// DefaultInstaller is the installer image of machines not booted from Image Factory.
+const DefaultInstaller = "ghcr.io/siderolabs/installer"
+
+// Facts is what a machine says of itself before it is disrupted.
+type Facts struct {
+	Version    string // the running Talos tag, like v1.12.4
+	Platform   string // e.g. metal
+	BootID     string
+	Schematic  string // the Image Factory schematic ID, "" when not booted from Image Factory
+	SecureBoot bool
+}
+
+// ReadFacts asks the machine at node for its version, platform, boot ID,
+// schematic and secure-boot state.
+func ReadFacts(ctx context.Context, c *talosclient.Client, node string) (Facts, error) {
+	ctx = talosclient.WithNode(ctx, node)
+	var f Facts
+	var err error
+	if f.Version, f.Platform, err = version(ctx, c); err != nil {
+		return f, err
+	}
+	if f.BootID, err = BootID(ctx, c, node); err != nil {
+		return f, err
+	}
+	exts, err := safe.StateListAll[*runtime.ExtensionStatus](ctx, c.COSI)
+	if err != nil {
+		return f, fmt.Errorf("list extensions: %w", err)
+	}
+	for ext := range exts.All() {
+		if ext.TypedSpec().Metadata.Name == "schematic" {
+			f.Schematic = ext.TypedSpec().Metadata.Version
+		}
+	}
+	sec, err := safe.StateGetByID[*runtime.SecurityState](ctx, c.COSI, runtime.SecurityStateID)
+	if err != nil {
+		return f, fmt.Errorf("read security state: %w", err)
+	}
+	f.SecureBoot = sec.TypedSpec().SecureBoot
+	return f, nil
+}
+
+// Version returns the Talos tag the machine at node runs.
+func Version(ctx context.Context, c *talosclient.Client, node string) (string, error) {
+	v, _, err := version(talosclient.WithNode(ctx, node), c)
+	return v, err
+}
+
+func version(ctx context.Context, c *talosclient.Client) (tag, platform string, err error) {
+	resp, err := c.Version(ctx)
+	if err != nil {
+		return "", "", fmt.Errorf("version: %w", err)
+	}
+	if len(resp.Messages) == 0 || resp.Messages[0].Version == nil {
+		return "", "", errors.New("version: empty answer")
+	}
+	m := resp.Messages[0]
+	if m.Platform != nil {
+		platform = m.Platform.Name
+	}
+	return m.Version.Tag, platform, nil
+}
+
+// BootID reads the machine's boot ID, which changes at every boot.
+func BootID(ctx context.Context, c *talosclient.Client, node string) (string, error) {
+	r, err := c.Read(talosclient.WithNode(ctx, node), "/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return "", fmt.Errorf("read boot id: %w", err)
+	}
+	defer r.Close() //nolint:errcheck
+	b, err := io.ReadAll(r)
+	if err != nil {
+		return "", fmt.Errorf("read boot id: %w", err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+// InstallerImage is the installer to upgrade a machine with: the Image
+// Factory image of its schematic, or the default installer without one.
+func InstallerImage(repo string, f Facts, schematic, version string) string {
+	if schematic == "" {
+		schematic = f.Schematic
+	}
+	if schematic == "" {
+		return DefaultInstaller + ":" + version
+	}
+	platform := f.Platform
+	if platform == "" {
+		platform = "metal"
+	}
+	sb := ""
+	if f.SecureBoot {
+		sb = "-secureboot"
+	}
+	return fmt.Sprintf("%s/%s-installer%s/%s:%s", repo, platform, sb, schematic, version)
+}
+
+// HasLifecycleAPI reports whether a machine on this version upgrades through
+// ImageService and LifecycleService (1.13 and later) rather than the legacy
+// MachineService.Upgrade.
+func HasLifecycleAPI(version string) bool {
+	v, err := semver.ParseTolerant(version)
+	if err != nil {
+		return false
+	}
+	return v.Major > 1 || (v.Major == 1 && v.Minor >= 13)
+}
+
+// UpgradeLegacy installs image through the legacy MachineService.Upgrade,
+// which also reboots the machine by itself (hosts below 1.13).
+func UpgradeLegacy(ctx context.Context, c *talosclient.Client, node, image string, powercycle bool) error {
+	mode := machine.UpgradeRequest_DEFAULT
+	if powercycle {
+		mode = machine.UpgradeRequest_POWERCYCLE
+	}
+	_, err := c.UpgradeWithOptions(talosclient.WithNode(ctx, node),
+		talosclient.WithUpgradeImage(image), talosclient.WithUpgradeRebootMode(mode))
+	if err != nil {
+		return fmt.Errorf("upgrade (legacy API) to %s: %w", image, err)
+	}
+	return nil
+}
+
+// systemContainerd is talosctl's default: the installer is pulled into and
+// run from the system containerd.
+var systemContainerd = &common.ContainerdInstance{Driver: common.ContainerDriver_CRI, Namespace: common.ContainerdNamespace_NS_SYSTEM}
+
+// Pull pulls image into the machine's system containerd.
+func Pull(ctx context.Context, c *talosclient.Client, node, image string) error {
+	stream, err := c.ImageClient.Pull(talosclient.WithNode(ctx, node), &machine.ImageServicePullRequest{Containerd: systemContainerd, ImageRef: image})
+	if err != nil {
+		return fmt.Errorf("pull %s: %w", image, err)
+	}
+	for {
+		_, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("pull %s: %w", image, err)
+		}
+	}
+}
+
+// Install runs the installer of image into the machine's inactive boot slot
+// (LifecycleService.Upgrade). It does not reboot.
+func Install(ctx context.Context, c *talosclient.Client, node, image string) error {
+	stream, err := c.LifecycleClient.Upgrade(talosclient.WithNode(ctx, node), &machine.LifecycleServiceUpgradeRequest{
+		Containerd: systemContainerd, Source: &machine.InstallArtifactsSource{ImageName: image}})
+	if err != nil {
+		return fmt.Errorf("install %s: %w", image, err)
+	}
+	var last string
+	for {
+		resp, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return fmt.Errorf("install %s: the installer ended without an exit code (last output: %q)", image, last)
+		}
+		if err != nil {
+			return fmt.Errorf("install %s: %w", image, err)
+		}
+		p := resp.GetProgress()
+		if p == nil {
+			continue
+		}
+		if msg := p.GetMessage(); msg != "" {
+			last = msg
+			continue
+		}
+		if code := p.GetExitCode(); code != 0 {
+			return fmt.Errorf("install %s: installer exited with code %d (last output: %q)", image, code, last)
+		}
+		return drain(stream)
+	}
+}
+
+// drain reads the stream to its end after the exit code.
+func drain(stream interface {
+	Recv() (*machine.LifecycleServiceUpgradeResponse, error)
+}) error {
+	for {
+		if _, err := stream.Recv(); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+	}
+}
+
+// Reboot reboots the machine; it answers before the machine goes down.
+func Reboot(ctx context.Context, c *talosclient.Client, node string, powercycle bool) error {
+	mode := machine.RebootRequest_DEFAULT
+	if powercycle {
+		mode = machine.RebootRequest_POWERCYCLE
+	}
+	if err := c.Reboot(talosclient.WithNode(ctx, node), talosclient.WithRebootMode(mode)); err != nil {
+		return fmt.Errorf("reboot: %w", err)
+	}
+	return nil
+}
+
+// Unreachable reports whether err means the machine does not answer (it is
+// rebooting or down), as opposed to answering with an error.
+func Unreachable(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if s, ok := status.FromError(e); ok {
+			switch s.Code() {
+			case codes.Unavailable, codes.DeadlineExceeded:
+				return true
+			}
+		}
+	}
+	return false
+}

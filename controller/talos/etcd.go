@@ -1,0 +1,162 @@
+package talos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+)
+
+// Member is one etcd member as the control planes report it.
+type Member struct {
+	ID       uint64
+	Hostname string
+	Learner  bool
+	PeerIPs  []string
+}
+
+// EtcdMembers lists the etcd members as the control plane at node sees them.
+func EtcdMembers(ctx context.Context, c *talosclient.Client, node string) ([]Member, error) {
+	resp, err := c.EtcdMemberList(talosclient.WithNode(ctx, node), &machine.EtcdMemberListRequest{QueryLocal: true})
+	if err != nil {
+		return nil, fmt.Errorf("etcd members on %s: %w", node, err)
+	}
+	if len(resp.Messages) == 0 {
+		return nil, fmt.Errorf("etcd members on %s: empty answer", node)
+	}
+	return members(resp.Messages[0]), nil
+}
+
+func members(msg *machine.EtcdMembers) []Member {
+	var out []Member
+	for _, m := range msg.Members {
+		mem := Member{ID: m.Id, Hostname: m.Hostname, Learner: m.IsLearner}
+		for _, u := range m.PeerUrls {
+			if pu, err := url.Parse(u); err == nil {
+				if host, _, err := net.SplitHostPort(pu.Host); err == nil {
+					mem.PeerIPs = append(mem.PeerIPs, host)
+				}
+			}
+		}
+		out = append(out, mem)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// EtcdHealth is the check before a control plane is disrupted, as talosctl's
+// cluster health check does it: every control plane reports the same member
+// list, every member is a started voter on a control plane, there are not
+// exactly two members (losing one would lose quorum), every member has a
+// leader and no errors, and no alarm is raised.
+func EtcdHealth(ctx context.Context, c *talosclient.Client, controlPlanes []string) error {
+	if len(controlPlanes) == 0 {
+		return errors.New("no control planes to check etcd on")
+	}
+	resp, err := c.EtcdMemberList(talosclient.WithNodes(ctx, controlPlanes...), &machine.EtcdMemberListRequest{QueryLocal: true})
+	if err != nil {
+		return fmt.Errorf("etcd member list: %w", err)
+	}
+	var first []Member
+	for i, msg := range resp.Messages {
+		got := members(msg)
+		if i == 0 {
+			first = got
+			continue
+		}
+		if !sameMembers(first, got) {
+			return fmt.Errorf("etcd member lists differ between control planes (%s sees %s, %s sees %s)",
+				hostname(resp.Messages[0].Metadata), describe(first), hostname(msg.Metadata), describe(got))
+		}
+	}
+	if err := checkMembers(first, controlPlanes); err != nil {
+		return err
+	}
+	st, err := c.EtcdStatus(talosclient.WithNodes(ctx, controlPlanes...))
+	if err != nil {
+		return fmt.Errorf("etcd status: %w", err)
+	}
+	for _, msg := range st.Messages {
+		ms := msg.MemberStatus
+		switch {
+		case ms == nil:
+			return fmt.Errorf("etcd status on %s: empty answer", hostname(msg.Metadata))
+		case len(ms.Errors) > 0:
+			return fmt.Errorf("etcd member on %s reports errors: %s", hostname(msg.Metadata), strings.Join(ms.Errors, "; "))
+		case ms.Leader == 0:
+			return fmt.Errorf("etcd member on %s has no leader", hostname(msg.Metadata))
+		}
+	}
+	alarms, err := c.EtcdAlarmList(talosclient.WithNodes(ctx, controlPlanes...))
+	if err != nil {
+		return fmt.Errorf("etcd alarms: %w", err)
+	}
+	for _, msg := range alarms.Messages {
+		for _, a := range msg.MemberAlarms {
+			if a.Alarm != machine.EtcdMemberAlarm_NONE {
+				return fmt.Errorf("etcd alarm %s raised on member %x (seen from %s): disarm it before disrupting a control plane",
+					a.Alarm, a.MemberId, hostname(msg.Metadata))
+			}
+		}
+	}
+	return nil
+}
+
+func checkMembers(ms []Member, controlPlanes []string) error {
+	switch {
+	case len(ms) == 0:
+		return errors.New("etcd reports no members")
+	case len(ms) == 2:
+		return errors.New("etcd has exactly two members: disrupting either loses quorum; add a third control plane or remove one first")
+	}
+	for _, m := range ms {
+		if m.Learner {
+			return fmt.Errorf("etcd member %s is still a learner: wait for it to be promoted", m.Hostname)
+		}
+		for _, ip := range m.PeerIPs {
+			if !slices.Contains(controlPlanes, ip) {
+				return fmt.Errorf("etcd member %s (%s) is not one of the control planes %v: remove it first", m.Hostname, ip, controlPlanes)
+			}
+		}
+	}
+	return nil
+}
+
+func sameMembers(a, b []Member) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i].ID != b[i].ID || a[i].Hostname != b[i].Hostname || a[i].Learner != b[i].Learner {
+			return false
+		}
+	}
+	return true
+}
+
+func describe(ms []Member) string {
+	var names []string
+	for _, m := range ms {
+		names = append(names, m.Hostname)
+	}
+	return "[" + strings.Join(names, " ") + "]"
+}
+
+type hostnamed interface{ GetHostname() string }
+
+func hostname(md hostnamed) string {
+	if md == nil {
+		return "?"
+	}
+	if h := md.GetHostname(); h != "" {
+		return h
+	}
+	return "?"
+}
