@@ -1,0 +1,609 @@
+package commands
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+
+	"github.com/spf13/cobra"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/cli-runtime/pkg/genericclioptions"
+	cmdutil "k8s.io/kubectl/pkg/cmd/util"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+// createOptions are the flags every command that starts an operation shares,
+// and what the kind's own command fills in.
+type createOptions struct {
+	e *Env
+
+	name           string
+	maxUnavailable int32
+	paused         bool
+	override       bool
+	selector       string
+	yes            bool
+	follow         followFlags
+	printFlags     *genericclioptions.PrintFlags
+
+	// Set by each kind's command.
+	generateName string
+	kind         ichorv1.OperationKind
+	// build fills in the kind's block of the spec from the arguments.
+	build func(spec *ichorv1.TalosOperationSpec, args []string) error
+	// danger, for kinds that can take the cluster down, says what will happen
+	// in the confirmation prompt.
+	danger func(spec *ichorv1.TalosOperationSpec) string
+
+	namespace string
+	maxSet    bool
+	dryRun    cmdutil.DryRunStrategy
+	op        *ichorv1.TalosOperation
+}
+
+// newCreateCmd builds the command of one kind. flags adds the kind's own flags.
+func newCreateCmd(e *Env, o *createOptions, cmd *cobra.Command, flags func(*cobra.Command)) *cobra.Command {
+	o.e = e
+	o.printFlags = genericclioptions.NewPrintFlags("created").WithTypeSetter(Scheme)
+	cmd.SilenceUsage = true
+	cmd.RunE = func(cmd *cobra.Command, args []string) error {
+		if err := o.Complete(cmd, args); err != nil {
+			return err
+		}
+		if err := o.Validate(); err != nil {
+			return err
+		}
+		return o.Run(cmd.Context())
+	}
+	if flags != nil {
+		flags(cmd)
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.name, "name", "", "Name of the TalosOperation (default: generated, like "+o.generateName+"7fk2q)")
+	f.Int32Var(&o.maxUnavailable, "max-unavailable", 0, "Workers disrupted at once, counting workers already NotReady or cordoned (default 1; control planes always go one at a time)")
+	f.BoolVar(&o.paused, "paused", false, "Create the operation paused; start it with 'operation resume'")
+	f.BoolVar(&o.override, "override", false, "Run although preflight refuses (needs the override verb; leaves a Warning Event)")
+	f.StringVarP(&o.selector, "selector", "l", "", "Only the machines (Nodes) matching this label selector, like 'topology.kubernetes.io/zone=a'")
+	f.BoolVarP(&o.yes, "yes", "y", false, "Do not ask for confirmation")
+	cmdutil.AddDryRunFlag(cmd)
+	o.printFlags.AddFlags(cmd)
+	o.follow.addFlags(cmd, true)
+	return cmd
+}
+
+func (o *createOptions) Complete(cmd *cobra.Command, args []string) error {
+	var err error
+	if o.namespace, err = o.e.Namespace(); err != nil {
+		return err
+	}
+	if o.dryRun, err = cmdutil.GetDryRunStrategy(cmd); err != nil {
+		return err
+	}
+	if o.dryRun == cmdutil.DryRunClient && !cmd.Flags().Changed("output") {
+		// A generated name is only known once the server has made one: show the object.
+		out := "yaml"
+		o.printFlags.OutputFormat = &out
+	}
+	o.printFlags = cmdutil.PrintFlagsWithDryRunStrategy(o.printFlags, o.dryRun)
+	o.follow.complete(cmd)
+	o.maxSet = cmd.Flags().Changed("max-unavailable")
+
+	op := &ichorv1.TalosOperation{
+		TypeMeta:   metav1.TypeMeta{APIVersion: ichorv1.GroupVersion.String(), Kind: "TalosOperation"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: o.namespace, Name: o.name},
+		Spec: ichorv1.TalosOperationSpec{
+			Kind:           o.kind,
+			Paused:         o.paused,
+			Override:       o.override,
+			MaxUnavailable: o.maxUnavailable,
+		},
+	}
+	if o.name == "" {
+		op.GenerateName = o.generateName
+	}
+	if o.selector != "" {
+		sel, err := metav1.ParseToLabelSelector(o.selector)
+		if err != nil {
+			return usageErrorf("invalid --selector %q: %v", o.selector, err)
+		}
+		op.Spec.Machines = sel
+	}
+	if err := o.build(&op.Spec, args); err != nil {
+		return err
+	}
+	o.op = op
+	return nil
+}
+
+func (o *createOptions) Validate() error {
+	if o.maxUnavailable < 0 || (o.maxUnavailable == 0 && o.maxSet) {
+		return usageErrorf("--max-unavailable must be at least 1, not %d", o.maxUnavailable)
+	}
+	if o.dryRun != cmdutil.DryRunNone && o.follow.following() {
+		return usageErrorf("--watch and --wait follow a real operation: they cannot be used with --dry-run")
+	}
+	return o.follow.validate()
+}
+
+func (o *createOptions) Run(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	if o.danger != nil && o.dryRun == cmdutil.DryRunNone && !o.yes {
+		if err := o.e.confirm(o.danger(&o.op.Spec)); err != nil {
+			return err
+		}
+	}
+	printer, err := o.printFlags.ToPrinter()
+	if err != nil {
+		return err
+	}
+	if o.dryRun == cmdutil.DryRunClient {
+		return printer.PrintObj(o.op, o.e.Streams.Out)
+	}
+	c, err := o.e.NewClient()
+	if err != nil {
+		return err
+	}
+	opts := []client.CreateOption{client.FieldOwner(FieldManager)}
+	if o.dryRun == cmdutil.DryRunServer {
+		opts = append(opts, client.DryRunAll)
+	}
+	if err := c.Create(ctx, o.op, opts...); err != nil {
+		return err
+	}
+	if err := printer.PrintObj(o.op, o.e.Streams.Out); err != nil {
+		return err
+	}
+	if !o.follow.following() {
+		return nil
+	}
+	// With -o, stdout carries only what -o asked for; the live view goes to stderr.
+	view := o.e.Streams.Out
+	if o.printFlags.OutputFormat != nil && *o.printFlags.OutputFormat != "" {
+		view = o.e.Streams.ErrOut
+	}
+	return o.e.follow(ctx, c, o.namespace, o.op.Name, o.follow, view, -1)
+}
+
+// confirm asks on the terminal before something that can take the cluster
+// down. Without a terminal it refuses: --yes says it was meant.
+func (e *Env) confirm(what string) error {
+	if !e.IsTerminal(e.Streams.In) {
+		return fmt.Errorf("%s: confirm with --yes (-y); there is no terminal to ask on", what)
+	}
+	fmt.Fprintf(e.Streams.ErrOut, "%s\nProceed? [y/N]: ", what)
+	answer, err := bufio.NewReader(e.Streams.In).ReadString('\n')
+	if err != nil && answer == "" {
+		return fmt.Errorf("aborted: no answer")
+	}
+	switch strings.ToLower(strings.TrimSpace(answer)) {
+	case "y", "yes":
+		return nil
+	}
+	return fmt.Errorf("aborted by user")
+}
+
+var versionRE = regexp.MustCompile(`^v[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$`)
+
+// normalizeVersion accepts 1.13.7 as well as v1.13.7 and returns the form the
+// API requires, with the leading v.
+func normalizeVersion(flag, v string) (string, error) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return "", usageErrorf("--%s is required: give a version like v1.13.7", flag)
+	}
+	if v[0] >= '0' && v[0] <= '9' {
+		v = "v" + v
+	}
+	if !versionRE.MatchString(v) {
+		return "", usageErrorf("invalid --%s %q: want a version like v1.13.7 (the leading v is optional)", flag, v)
+	}
+	return v, nil
+}
+
+const versionHelp = "like v1.13.7; 1.13.7 works too and gets the leading v the API requires"
+
+func boolPtr(b bool) *bool { return &b }
+
+// upgrade talos|kubernetes|ichor|cni
+
+func newUpgradeCmd(e *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "upgrade",
+		Short: "Upgrade Talos, Kubernetes, Ichor or the CNI",
+	}
+	cmd.AddCommand(newUpgradeTalosCmd(e), newUpgradeKubernetesCmd(e), newUpgradeIchorCmd(e), newUpgradeCNICmd(e))
+	return cmd
+}
+
+func newUpgradeTalosCmd(e *Env) *cobra.Command {
+	var to, schematic, repo, rebootMode string
+	o := &createOptions{generateName: "upgrade-talos-", kind: ichorv1.KindTalos}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		v, err := normalizeVersion("to", to)
+		if err != nil {
+			return err
+		}
+		s.Talos = &ichorv1.TalosUpgrade{Version: v, Schematic: schematic, ImageRepository: repo, RebootMode: ichorv1.RebootMode(rebootMode)}
+		return nil
+	}
+	cmd := &cobra.Command{
+		Use:   "talos --to VERSION",
+		Short: "Upgrade Talos Linux, one machine at a time, control planes first",
+		Example: fmt.Sprintf(`  # Upgrade every machine to Talos v1.13.7 and follow it live
+  %[1]s upgrade talos --to v1.13.7 --watch
+
+  # Only the machines in zone a, two workers at a time, with a new schematic
+  %[1]s upgrade talos --to 1.13.7 -l topology.kubernetes.io/zone=a --max-unavailable 2 --schematic 376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba`, e.Name),
+		Args: cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().StringVar(&to, "to", "", "Talos version to install, "+versionHelp)
+		c.Flags().StringVar(&schematic, "schematic", "", "Image Factory schematic ID to install (default: each machine keeps its own)")
+		c.Flags().StringVar(&repo, "image-repository", "", "Registry serving installer images (default factory.talos.dev)")
+		c.Flags().StringVar(&rebootMode, "reboot-mode", "", "How machines reboot: default (kexec where possible) or powercycle")
+		_ = c.MarkFlagRequired("to")
+	})
+}
+
+func newUpgradeKubernetesCmd(e *Env) *cobra.Command {
+	var to string
+	var prePull bool
+	o := &createOptions{generateName: "upgrade-kubernetes-", kind: ichorv1.KindKubernetes}
+	var cmd *cobra.Command
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		v, err := normalizeVersion("to", to)
+		if err != nil {
+			return err
+		}
+		s.Kubernetes = &ichorv1.KubernetesUpgrade{Version: v}
+		if cmd.Flags().Changed("pre-pull-images") {
+			s.Kubernetes.PrePullImages = boolPtr(prePull)
+		}
+		return nil
+	}
+	cmd = &cobra.Command{
+		Use:     "kubernetes --to VERSION",
+		Aliases: []string{"k8s"},
+		Short:   "Upgrade Kubernetes: control-plane components, kube-proxy, then kubelets",
+		Example: fmt.Sprintf("  %[1]s upgrade kubernetes --to v1.36.2 --wait --timeout 1h", e.Name),
+		Args:    cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().StringVar(&to, "to", "", "Kubernetes version to run, "+strings.ReplaceAll(versionHelp, "1.13.7", "1.36.2"))
+		c.Flags().BoolVar(&prePull, "pre-pull-images", true, "Pull the new images on every machine before any component moves")
+		_ = c.MarkFlagRequired("to")
+	})
+}
+
+func newUpgradeIchorCmd(e *Env) *cobra.Command {
+	var to, image string
+	o := &createOptions{generateName: "upgrade-ichor-", kind: ichorv1.KindIchor}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		v, err := normalizeVersion("to", to)
+		if err != nil {
+			return err
+		}
+		s.Ichor = &ichorv1.IchorUpgrade{Version: v, Image: image}
+		return nil
+	}
+	cmd := &cobra.Command{
+		Use:     "ichor --to VERSION",
+		Short:   "Upgrade Ichor itself through its installer Job",
+		Example: fmt.Sprintf("  %[1]s upgrade ichor --to v0.2.0", e.Name),
+		Args:    cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().StringVar(&to, "to", "", "Ichor version to install, "+strings.ReplaceAll(versionHelp, "1.13.7", "0.2.0"))
+		c.Flags().StringVar(&image, "image", "", "Controller image (default: the release image of --to)")
+		_ = c.MarkFlagRequired("to")
+	})
+}
+
+func newUpgradeCNICmd(e *Env) *cobra.Command {
+	var chart string
+	var kpr bool
+	var cmd *cobra.Command
+	o := &createOptions{generateName: "upgrade-cni-", kind: ichorv1.KindCNI}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		s.CNI = &ichorv1.CNIChange{ChartVersion: chart}
+		if cmd.Flags().Changed("kube-proxy-replacement") {
+			s.CNI.KubeProxyReplacement = boolPtr(kpr)
+		}
+		return nil
+	}
+	cmd = &cobra.Command{
+		Use:   "cni [--chart-version VERSION] [--kube-proxy-replacement=true|false]",
+		Short: "Move Cilium to the chart this Ichor embeds, or switch the kube-proxy mode",
+		Example: fmt.Sprintf(`  # Move Cilium to the chart this Ichor embeds
+  %[1]s upgrade cni
+
+  # Let Cilium replace kube-proxy
+  %[1]s upgrade cni --kube-proxy-replacement=true`, e.Name),
+		Args: cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().StringVar(&chart, "chart-version", "", "Cilium chart version (default: the chart this Ichor embeds)")
+		c.Flags().BoolVar(&kpr, "kube-proxy-replacement", false, "true: Cilium replaces kube-proxy; false: kube-proxy comes back (default: keep the mode)")
+	})
+}
+
+// node ACTION NODE
+
+func newNodeCmd(e *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "node",
+		Short: "Reboot, shut down, reset or service one machine",
+	}
+	actions := []struct {
+		action ichorv1.NodeActionType
+		short  string
+	}{
+		{ichorv1.NodeReboot, "Reboot one machine (drained first)"},
+		{ichorv1.NodeShutdown, "Shut one machine down"},
+		{ichorv1.NodeRestartService, "Restart a service (kubelet or an extension) on one machine"},
+		{ichorv1.NodeEtcdDefrag, "Defragment etcd on one control plane"},
+		{ichorv1.NodeEtcdForfeitLeadership, "Make one control plane give up etcd leadership"},
+		{ichorv1.NodeReset, "Reset one machine: wipe it and take it out of the cluster"},
+	}
+	for _, a := range actions {
+		cmd.AddCommand(newNodeActionCmd(e, a.action, a.short))
+	}
+	return cmd
+}
+
+func newNodeActionCmd(e *Env, action ichorv1.NodeActionType, short string) *cobra.Command {
+	var service, wipe string
+	var graceful, reboot bool
+	var cmd *cobra.Command
+	o := &createOptions{generateName: "node-" + string(action) + "-", kind: ichorv1.KindNode}
+	o.build = func(s *ichorv1.TalosOperationSpec, args []string) error {
+		s.Node = &ichorv1.NodeAction{Machine: args[0], Action: action, Service: service}
+		if action == ichorv1.NodeRestartService && service == "" {
+			return usageErrorf("--service is required: name the service to restart, like kubelet")
+		}
+		if action == ichorv1.NodeReset {
+			s.Node.Reset = &ichorv1.ResetOptions{Wipe: ichorv1.WipeMode(wipe), Reboot: reboot}
+			if cmd.Flags().Changed("graceful") {
+				s.Node.Reset.Graceful = boolPtr(graceful)
+			}
+		}
+		return nil
+	}
+	if ichorv1.DangerousKind(ichorv1.KindNode, action) {
+		o.danger = func(s *ichorv1.TalosOperationSpec) string {
+			return fmt.Sprintf("This resets machine %q: its disks are wiped and it leaves the cluster.", s.Node.Machine)
+		}
+	}
+	cmd = &cobra.Command{
+		Use:               string(action) + " NODE",
+		Short:             short,
+		Example:           fmt.Sprintf("  %[1]s node %[2]s worker-3 --watch", e.Name, action),
+		Args:              exactArgs(1, "NODE"),
+		ValidArgsFunction: e.completeNodes,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		switch action {
+		case ichorv1.NodeRestartService:
+			c.Flags().StringVar(&service, "service", "", "Service to restart (kubelet or an extension service)")
+		case ichorv1.NodeReset:
+			c.Flags().StringVar(&wipe, "wipe", "", "What to wipe: all (default), system-disk or ephemeral")
+			c.Flags().BoolVar(&graceful, "graceful", true, "Cordon and drain first and, on a control plane, leave etcd")
+			c.Flags().BoolVar(&reboot, "reboot", false, "Reboot after the reset instead of shutting down")
+		}
+	})
+}
+
+// config apply --patch FILE...
+
+func newConfigCmd(e *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "config",
+		Short: "Roll out machine-configuration changes that need a reboot",
+	}
+	var files []string
+	var mode string
+	o := &createOptions{generateName: "config-apply-", kind: ichorv1.KindConfig}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		var patches []string
+		for _, f := range files {
+			data, err := readPatch(f, e)
+			if err != nil {
+				return err
+			}
+			patches = append(patches, data)
+		}
+		if len(patches) == 0 {
+			return usageErrorf("--patch is required: give a Talos machine-config patch file (YAML or JSON patch)")
+		}
+		s.Config = &ichorv1.ConfigRollout{Patches: patches, Mode: ichorv1.ConfigMode(mode)}
+		return nil
+	}
+	apply := &cobra.Command{
+		Use:   "apply --patch FILE...",
+		Short: "Apply machine-config patches, a machine at a time, rebooting as needed",
+		Example: fmt.Sprintf(`  # Apply two patches in order, rebooting each machine
+  %[1]s config apply --patch sysctls.yaml --patch kubelet.yaml
+
+  # Read the patch from stdin; reboot only where the change cannot apply live
+  cat patch.yaml | %[1]s config apply --patch - --mode auto`, e.Name),
+		Args: cobra.NoArgs,
+	}
+	cmd.AddCommand(newCreateCmd(e, o, apply, func(c *cobra.Command) {
+		c.Flags().StringArrayVar(&files, "patch", nil, "Machine-config patch file (YAML strategic merge or RFC 6902 JSON patch), - for stdin; repeat for more, applied in order")
+		c.Flags().StringVar(&mode, "mode", "", "reboot (always reboot, the default) or auto (only where the change cannot apply live)")
+	}))
+	return cmd
+}
+
+func readPatch(path string, e *Env) (string, error) {
+	var data []byte
+	var err error
+	if path == "-" {
+		var b strings.Builder
+		_, err = bufio.NewReader(e.Streams.In).WriteTo(&b)
+		data = []byte(b.String())
+	} else {
+		data, err = os.ReadFile(path)
+	}
+	if err != nil {
+		return "", fmt.Errorf("read --patch %s: %w", path, err)
+	}
+	if strings.TrimSpace(string(data)) == "" {
+		return "", usageErrorf("--patch %s is empty", path)
+	}
+	return string(data), nil
+}
+
+// shutdown
+
+func newShutdownCmd(e *Env) *cobra.Command {
+	var force bool
+	o := &createOptions{generateName: "shutdown-", kind: ichorv1.KindShutdown}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		s.Shutdown = &ichorv1.ClusterShutdown{Force: force}
+		return nil
+	}
+	o.danger = func(*ichorv1.TalosOperationSpec) string {
+		return "This shuts down every machine of the cluster."
+	}
+	cmd := &cobra.Command{
+		Use:     "shutdown",
+		Short:   "Stop the whole cluster for planned downtime",
+		Example: fmt.Sprintf("  %[1]s shutdown --yes", e.Name),
+		Args:    cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().BoolVar(&force, "force", false, "Skip draining and stop the machines straight away")
+	})
+}
+
+// rotate ca|keys
+
+func newRotateCmd(e *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "rotate",
+		Short: "Replace the cluster CAs or keys",
+	}
+	cmd.AddCommand(newRotateCACmd(e), newRotateKeysCmd(e))
+	return cmd
+}
+
+// which turns two "only this one" flags into the API's pair of switches:
+// neither flag means both.
+func which(a, b bool) (*bool, *bool) {
+	if !a && !b {
+		return boolPtr(true), boolPtr(true)
+	}
+	return boolPtr(a), boolPtr(b)
+}
+
+func newRotateCACmd(e *Env) *cobra.Command {
+	var talos, kube bool
+	o := &createOptions{generateName: "rotate-ca-", kind: ichorv1.KindCARotation}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		t, k := which(talos, kube)
+		s.CARotation = &ichorv1.CARotation{Talos: t, Kubernetes: k}
+		return nil
+	}
+	o.danger = func(s *ichorv1.TalosOperationSpec) string {
+		return "This replaces the cluster CAs (" + caList(s.CARotation) + "): every client certificate issued by the old CAs stops working."
+	}
+	cmd := &cobra.Command{
+		Use:   "ca [--talos] [--kubernetes]",
+		Short: "Replace the Talos API CA, the Kubernetes API CA, or both",
+		Example: fmt.Sprintf(`  # Rotate both CAs
+  %[1]s rotate ca
+
+  # Only the Kubernetes CA
+  %[1]s rotate ca --kubernetes`, e.Name),
+		Args: cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().BoolVar(&talos, "talos", false, "Rotate the Talos API CA (with neither flag: both)")
+		c.Flags().BoolVar(&kube, "kubernetes", false, "Rotate the Kubernetes API CA (with neither flag: both)")
+	})
+}
+
+func caList(c *ichorv1.CARotation) string {
+	var parts []string
+	if c.Talos != nil && *c.Talos {
+		parts = append(parts, "Talos")
+	}
+	if c.Kubernetes != nil && *c.Kubernetes {
+		parts = append(parts, "Kubernetes")
+	}
+	return strings.Join(parts, " and ")
+}
+
+func newRotateKeysCmd(e *Env) *cobra.Command {
+	var sa, secretbox bool
+	o := &createOptions{generateName: "rotate-keys-", kind: ichorv1.KindKeyRotation}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		a, b := which(sa, secretbox)
+		s.KeyRotation = &ichorv1.KeyRotation{ServiceAccount: a, Secretbox: b}
+		return nil
+	}
+	o.danger = func(*ichorv1.TalosOperationSpec) string {
+		return "This replaces the cluster's keys: service-account tokens signed by the old key stop working once it is retired."
+	}
+	cmd := &cobra.Command{
+		Use:     "keys [--service-account] [--secretbox]",
+		Short:   "Replace the service-account signing key, the secretbox key, or both",
+		Example: fmt.Sprintf("  %[1]s rotate keys --service-account", e.Name),
+		Args:    cobra.NoArgs,
+	}
+	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
+		c.Flags().BoolVar(&sa, "service-account", false, "Rotate the service-account signing key (with neither flag: both)")
+		c.Flags().BoolVar(&secretbox, "secretbox", false, "Rotate the secretbox key of Secrets at rest (with neither flag: both)")
+	})
+}
+
+// restore etcd
+
+func newRestoreCmd(e *Env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "restore",
+		Short: "Rewind the cluster to a stored etcd snapshot",
+	}
+	var snapshot, machine string
+	o := &createOptions{generateName: "restore-etcd-", kind: ichorv1.KindEtcdRestore}
+	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
+		if snapshot == "" {
+			return usageErrorf("--snapshot is required: give a file:// or s3:// URL")
+		}
+		s.EtcdRestore = &ichorv1.EtcdRestore{Snapshot: snapshot, Machine: machine}
+		return nil
+	}
+	o.danger = func(s *ichorv1.TalosOperationSpec) string {
+		return fmt.Sprintf("This rewinds the whole cluster to the etcd snapshot %s: everything written since is lost.", s.EtcdRestore.Snapshot)
+	}
+	etcd := &cobra.Command{
+		Use:     "etcd --snapshot URL",
+		Short:   "Restore etcd from a snapshot (file:// or s3://)",
+		Example: fmt.Sprintf("  %[1]s restore etcd --snapshot s3://backups/etcd/2026-08-22.snapshot", e.Name),
+		Args:    cobra.NoArgs,
+	}
+	cmd.AddCommand(newCreateCmd(e, o, etcd, func(c *cobra.Command) {
+		c.Flags().StringVar(&snapshot, "snapshot", "", "URL of the etcd snapshot: file:// or s3://")
+		c.Flags().StringVar(&machine, "machine", "", "Control plane that recovers etcd (default: the first one)")
+		_ = c.MarkFlagRequired("snapshot")
+		_ = c.RegisterFlagCompletionFunc("machine", e.completeNodes)
+	}))
+	return cmd
+}
+
+func exactArgs(n int, what string) cobra.PositionalArgs {
+	return func(cmd *cobra.Command, args []string) error {
+		if len(args) != n {
+			return usageErrorf("%s takes %s (%d argument), got %d", cmd.CommandPath(), what, n, len(args))
+		}
+		return nil
+	}
+}

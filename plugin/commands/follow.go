@@ -1,0 +1,369 @@
+package commands
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/duration"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/cache"
+	watchtools "k8s.io/client-go/tools/watch"
+	utilexec "k8s.io/utils/exec"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/plugin/view"
+)
+
+// Exit codes of --wait, --watch and watch.
+const (
+	ExitFailed      = 2
+	ExitTimeout     = 3
+	ExitInterrupted = 130
+)
+
+// followFlags are the flags of commands that can follow an operation.
+type followFlags struct {
+	watch, wait bool
+	timeout     time.Duration
+	grouping    bool
+	ascii       bool
+	json        bool
+}
+
+func (f *followFlags) addFlags(cmd *cobra.Command, waitFlags bool) {
+	fl := cmd.Flags()
+	if waitFlags {
+		fl.BoolVarP(&f.watch, "watch", "w", false, "Follow the operation live until it succeeds or fails (exit 0, or 2 when it fails)")
+		fl.BoolVar(&f.wait, "wait", false, "Wait quietly until the operation succeeds or fails, then print the outcome (exit 0, or 2 when it fails)")
+	}
+	fl.DurationVar(&f.timeout, "timeout", 0, "Give up following after this long, with exit code 3 (like 30m; 0 waits forever); implies --wait")
+	fl.BoolVar(&f.grouping, "grouping", true, "Fold machines in the same phase into one row when they do not fit the terminal")
+	fl.BoolVar(&f.ascii, "ascii", false, "Use ASCII instead of Unicode icons")
+}
+
+func (f *followFlags) complete(cmd *cobra.Command) {
+	if f.timeout > 0 && !f.watch && !f.wait {
+		f.wait = true
+	}
+}
+
+func (f *followFlags) following() bool { return f.watch || f.wait }
+
+func (f *followFlags) validate() error {
+	if f.timeout < 0 {
+		return usageErrorf("--timeout must not be negative, not %s", f.timeout)
+	}
+	return nil
+}
+
+// exitError gives an error the exit code the plugin documents; kubectl's
+// error printer honours it.
+func exitError(code int, format string, a ...any) error {
+	return utilexec.CodeExitError{Err: fmt.Errorf("error: "+format, a...), Code: code}
+}
+
+// outcome says whether a followed operation has come to an end: nil error
+// when it succeeded, exit code 2 when it failed. A failure observed while a
+// retry asked for by this command is still on its way (retryCount not past
+// baseline) is the old failure and does not count.
+func outcome(op *ichorv1.TalosOperation, retryBaseline int32, command string) (bool, error) {
+	if op.Succeeded() {
+		return true, nil
+	}
+	if retryBaseline >= 0 && op.Status.RetryCount <= retryBaseline {
+		return false, nil
+	}
+	if op.Failed() {
+		return true, failure(op, command)
+	}
+	return false, nil
+}
+
+func failure(op *ichorv1.TalosOperation, command string) error {
+	if op.Refused() {
+		var checks []string
+		for _, c := range op.Status.Conditions {
+			if c.Status == metav1.ConditionFalse && c.Type != ichorv1.ConditionReady && c.Type != ichorv1.ConditionProgressing && c.Type != ichorv1.ConditionPaused {
+				checks = append(checks, view.Clean(c.Type+": "+c.Message))
+			}
+		}
+		msg := view.Clean(op.Status.Message)
+		if len(checks) > 0 {
+			msg = strings.TrimPrefix(msg+"; failed checks: "+strings.Join(checks, "; "), "; ")
+		}
+		return exitError(ExitFailed, "%s was refused by preflight: %s", ref(op.Name), msg)
+	}
+	msg := view.Clean(op.Status.FailureReason)
+	if m := op.Status.FailedMachine(); m != nil {
+		msg += fmt.Sprintf(" (machine %s, step %s: %s)", view.Clean(m.Name), view.Clean(m.Step), view.Clean(m.Message))
+	}
+	next := fmt.Sprintf("%s retry %s", command, op.Name)
+	if op.PausedByOperator() {
+		next = fmt.Sprintf("%s operation resume %s", command, op.Name)
+	}
+	return exitError(ExitFailed, "%s failed: %s; fix the cause, then run: %s", ref(op.Name), msg, next)
+}
+
+// display is where a followed operation goes: a terminal view, a log of
+// changes, a JSON stream or nothing.
+type display interface {
+	update(eventType watch.EventType, op *ichorv1.TalosOperation) error
+	// tick redraws what depends on the clock; terminals only.
+	tick() error
+	// close ends the display; the last state stays visible.
+	close(last *ichorv1.TalosOperation, err error) error
+}
+
+func (e *Env) newDisplay(ff followFlags, out io.Writer) display {
+	switch {
+	case ff.json:
+		return &jsonDisplay{out: out}
+	case ff.wait && !ff.watch:
+		return &quietDisplay{e: e, out: out}
+	case e.IsTerminal(out):
+		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out)}
+	}
+	return &logDisplay{e: e, out: out}
+}
+
+// follow shows one operation until it succeeds (nil), fails (exit 2), the
+// timeout passes (exit 3) or the user interrupts (exit 130). retryBaseline
+// is the retryCount before a retry this command asked for, or -1.
+func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, ff followFlags, out io.Writer, retryBaseline int32) error {
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var deadline <-chan time.Time
+	if ff.timeout > 0 {
+		t := time.NewTimer(ff.timeout)
+		defer t.Stop()
+		deadline = t.C
+	}
+	op, err := getOperation(ctx, c, ns, name)
+	if err != nil {
+		return err
+	}
+	w := watchOperations(ctx, c, ns, name)
+	defer w.Stop()
+
+	d := e.newDisplay(ff, out)
+	if err := d.update(watch.Added, op); err != nil {
+		return err
+	}
+	ticker := time.NewTicker(200 * time.Millisecond)
+	defer ticker.Stop()
+	for {
+		if done, err := outcome(op, retryBaseline, e.Name); done {
+			return errors.Join(d.close(op, err), err)
+		}
+		select {
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				err := fmt.Errorf("watch of %s ended unexpectedly", ref(name))
+				return errors.Join(d.close(op, err), err)
+			}
+			switch ev.Type {
+			case watch.Added, watch.Modified:
+				if next, ok := ev.Object.(*ichorv1.TalosOperation); ok && next.Name == name {
+					op = next
+					if err := d.update(ev.Type, op); err != nil {
+						return err
+					}
+				}
+			case watch.Deleted:
+				err := fmt.Errorf("%s was deleted", ref(name))
+				return errors.Join(d.close(op, err), err)
+			case watch.Error:
+				err := fmt.Errorf("watch %s: %v", ref(name), runtime.Object(ev.Object))
+				return errors.Join(d.close(op, err), err)
+			}
+		case <-ticker.C:
+			if err := d.tick(); err != nil {
+				return err
+			}
+		case <-deadline:
+			err := exitError(ExitTimeout, "timed out after %s waiting for %s (%s)", ff.timeout, ref(name), phaseWords(op))
+			return errors.Join(d.close(op, err), err)
+		case <-ctx.Done():
+			err := exitError(ExitInterrupted, "interrupted while following %s (%s)", ref(name), phaseWords(op))
+			return errors.Join(d.close(op, err), err)
+		}
+	}
+}
+
+func phaseWords(op *ichorv1.TalosOperation) string {
+	s := string(op.Status.Phase)
+	if s == "" {
+		s = "not yet picked up by ichor-controller"
+	}
+	if op.Status.Reason != "" {
+		s += " " + op.Status.Reason
+	}
+	if op.Status.Progress != "" {
+		s += ", " + op.Status.Progress
+	}
+	return view.Clean(s)
+}
+
+// watchOperations watches one operation (name) or every one in the
+// namespace (name empty) through an informer, so the watch survives expiry
+// and relists.
+func watchOperations(ctx context.Context, c client.WithWatch, ns, name string) watch.Interface {
+	sel := func(o *metav1.ListOptions) {
+		if name != "" {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
+		}
+	}
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			sel(&o)
+			list := &ichorv1.TalosOperationList{}
+			return list, c.List(ctx, list, client.InNamespace(ns), &client.ListOptions{Raw: &o})
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			sel(&o)
+			return c.Watch(ctx, &ichorv1.TalosOperationList{}, client.InNamespace(ns), &client.ListOptions{Raw: &o})
+		},
+	}
+	_, _, w, _ := watchtools.NewIndexerInformerWatcher(lw, &ichorv1.TalosOperation{})
+	return w
+}
+
+// summaryLine is the last line of a followed operation that ended well.
+func summaryLine(op *ichorv1.TalosOperation) string {
+	took := ""
+	if st := op.Status; st.StartTime != nil && st.CompletionTime != nil {
+		took = " in " + duration.HumanDuration(st.CompletionTime.Sub(st.StartTime.Time))
+	}
+	return fmt.Sprintf("%s succeeded%s", ref(op.Name), took)
+}
+
+// ttyDisplay redraws the live view in place, at most five times a second and
+// at least once a second (for the elapsed times).
+type ttyDisplay struct {
+	e        *Env
+	ff       followFlags
+	out      io.Writer
+	screen   *view.Screen
+	op       *ichorv1.TalosOperation
+	dirty    bool
+	lastDraw time.Time
+}
+
+func (d *ttyDisplay) update(_ watch.EventType, op *ichorv1.TalosOperation) error {
+	d.op, d.dirty = op, true
+	if time.Since(d.lastDraw) >= 200*time.Millisecond {
+		return d.draw()
+	}
+	return nil
+}
+
+func (d *ttyDisplay) tick() error {
+	if d.dirty || time.Since(d.lastDraw) >= time.Second {
+		return d.draw()
+	}
+	return nil
+}
+
+func (d *ttyDisplay) draw() error {
+	width, height, err := d.e.TermSize(d.out)
+	if err != nil {
+		width, height = 120, 40
+	}
+	frame := view.Render(d.op, view.Options{
+		Width: width, Height: height - 1, Color: d.e.UseColor(d.out), ASCII: d.ff.ascii,
+		Grouping: d.ff.grouping, Now: d.e.Now(), Command: d.e.Name,
+	})
+	d.dirty, d.lastDraw = false, time.Now()
+	return d.screen.Draw(frame, width)
+}
+
+func (d *ttyDisplay) close(last *ichorv1.TalosOperation, err error) error {
+	d.op = last
+	drawErr := d.draw()
+	closeErr := d.screen.Close()
+	if err == nil && last.Succeeded() {
+		fmt.Fprintln(d.out, summaryLine(last))
+	}
+	return errors.Join(drawErr, closeErr)
+}
+
+// logDisplay prints an append-only, timestamped log of changes.
+type logDisplay struct {
+	e    *Env
+	out  io.Writer
+	prev *ichorv1.TalosOperation
+}
+
+func (d *logDisplay) update(_ watch.EventType, op *ichorv1.TalosOperation) error {
+	for _, l := range view.Changes(d.prev, op, d.e.Now()) {
+		if _, err := fmt.Fprintln(d.out, l); err != nil {
+			return err
+		}
+	}
+	d.prev = op
+	return nil
+}
+
+func (d *logDisplay) tick() error { return nil }
+
+func (d *logDisplay) close(last *ichorv1.TalosOperation, err error) error {
+	if err == nil && last.Succeeded() {
+		_, werr := fmt.Fprintln(d.out, summaryLine(last))
+		return werr
+	}
+	return nil
+}
+
+// quietDisplay prints only the outcome (--wait).
+type quietDisplay struct {
+	e   *Env
+	out io.Writer
+}
+
+func (d *quietDisplay) update(watch.EventType, *ichorv1.TalosOperation) error { return nil }
+func (d *quietDisplay) tick() error                                          { return nil }
+func (d *quietDisplay) close(last *ichorv1.TalosOperation, err error) error {
+	if err == nil && last.Succeeded() {
+		_, werr := fmt.Fprintln(d.out, summaryLine(last))
+		return werr
+	}
+	return nil
+}
+
+// jsonDisplay streams watch events, one JSON object per line, in the shape
+// of `kubectl get -w -o json --output-watch-events`.
+type jsonDisplay struct {
+	out io.Writer
+	enc *json.Encoder
+}
+
+func (d *jsonDisplay) update(t watch.EventType, op *ichorv1.TalosOperation) error {
+	if d.enc == nil {
+		d.enc = json.NewEncoder(d.out)
+	}
+	obj := op.DeepCopy()
+	obj.ManagedFields = nil
+	obj.APIVersion, obj.Kind = ichorv1.GroupVersion.String(), "TalosOperation"
+	return d.enc.Encode(struct {
+		Type   watch.EventType          `json:"type"`
+		Object *ichorv1.TalosOperation `json:"object"`
+	}{t, obj})
+}
+
+func (d *jsonDisplay) tick() error { return nil }
+func (d *jsonDisplay) close(*ichorv1.TalosOperation, error) error {
+	return nil
+}
