@@ -334,7 +334,7 @@ type quietDisplay struct {
 }
 
 func (d *quietDisplay) update(watch.EventType, *ichorv1.TalosOperation) error { return nil }
-func (d *quietDisplay) tick() error                                          { return nil }
+func (d *quietDisplay) tick() error                                           { return nil }
 func (d *quietDisplay) close(last *ichorv1.TalosOperation, err error) error {
 	if err == nil && last.Succeeded() {
 		_, werr := fmt.Fprintln(d.out, summaryLine(last))
@@ -358,7 +358,7 @@ func (d *jsonDisplay) update(t watch.EventType, op *ichorv1.TalosOperation) erro
 	obj.ManagedFields = nil
 	obj.APIVersion, obj.Kind = ichorv1.GroupVersion.String(), "TalosOperation"
 	return d.enc.Encode(struct {
-		Type   watch.EventType          `json:"type"`
+		Type   watch.EventType         `json:"type"`
 		Object *ichorv1.TalosOperation `json:"object"`
 	}{t, obj})
 }
