@@ -15,8 +15,8 @@ import (
 //	2026-08-22T10:03:11Z upgrade-talos-7fk2q phase=Running progress=3/7 lock=Held
 //	2026-08-22T10:03:11Z upgrade-talos-7fk2q machine=cp-2 Pending->InProgress step=upgrade "installing v1.13.7"
 //
-// prev is nil for the first observation; then only machines that are under
-// way or failed are listed, not every pending one.
+// prev is nil for the first observation. Machines first seen Pending are not
+// listed: an operation over thousands of machines would log each one.
 func Changes(prev, cur *ichorv1.TalosOperation, now time.Time) []string {
 	ts := now.UTC().Format(time.RFC3339)
 	name := Clean(cur.Name)
@@ -34,8 +34,8 @@ func Changes(prev, cur *ichorv1.TalosOperation, now time.Time) []string {
 		m := &cur.Status.Machines[i]
 		old, seen := before[m.Name]
 		switch {
-		case prev == nil && (m.Phase == ichorv1.MachinePending || m.Phase == ""):
-			continue
+		case !seen && (m.Phase == ichorv1.MachinePending || m.Phase == ""):
+			continue // a machine still to do is news only once it starts
 		case seen && old.Phase == m.Phase && old.Step == m.Step && old.Message == m.Message && old.Attempts == m.Attempts:
 			continue
 		}

@@ -63,7 +63,7 @@ func Render(op *ichorv1.TalosOperation, o Options) []string {
 func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	ic, st, phase := opState(op)
 	var title line
-	title.add(bold, "TalosOperation "+Clean(op.Namespace+"/"+op.Name)+"  ")
+	title.add(bold, Clean(op.Namespace+"/"+op.Name)+"  ")
 	title.add(st, ic.String(o.ASCII)+" "+phase)
 	if op.Status.Reason != "" && phase == string(ichorv1.PhasePaused) {
 		title.add(st, " ("+Clean(op.Status.Reason)+")")
@@ -280,6 +280,7 @@ func columnsFor(ms []ichorv1.MachineStatus) columns {
 		m := &ms[i]
 		c.name = max(c.name, min(utf8.RuneCountInString(m.Name), 32))
 		c.step = max(c.step, min(utf8.RuneCountInString(m.Step), 24))
+		c.role = max(c.role, len(roleText(m.Role)))
 		if m.Attempts > 1 {
 			c.phase = max(c.phase, len(phaseText(m)))
 		}

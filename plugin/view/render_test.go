@@ -1,0 +1,352 @@
+package view
+
+import (
+	"bytes"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files in testdata/ from the current output")
+
+// now is the fixed clock of every test; fixtures are relative to it.
+var now = time.Date(2026, 8, 22, 10, 30, 0, 0, time.UTC)
+
+func ago(d time.Duration) *metav1.Time { t := metav1.NewTime(now.Add(-d)); return &t }
+
+func machine(name string, role ichorv1.MachineRole, phase ichorv1.MachinePhase, step string, started, finished time.Duration, msg string) ichorv1.MachineStatus {
+	m := ichorv1.MachineStatus{Name: name, Role: role, Phase: phase, Step: step, Message: msg, From: "v1.12.7", To: "v1.13.7"}
+	if started > 0 {
+		m.StartedAt = ago(started)
+		m.Attempts = 1
+	}
+	if finished > 0 {
+		m.FinishedAt = ago(finished)
+	}
+	return m
+}
+
+func baseOp() *ichorv1.TalosOperation {
+	return &ichorv1.TalosOperation{
+		ObjectMeta: metav1.ObjectMeta{Name: "upgrade-talos-7fk2q", Namespace: "prod", Generation: 1, CreationTimestamp: *ago(13 * time.Minute)},
+		Spec:       ichorv1.TalosOperationSpec{Kind: ichorv1.KindTalos, Talos: &ichorv1.TalosUpgrade{Version: "v1.13.7"}, MaxUnavailable: 1},
+	}
+}
+
+// scenarios are the states the renderer is golden-tested in.
+func scenarios() map[string]*ichorv1.TalosOperation {
+	s := map[string]*ichorv1.TalosOperation{}
+
+	s["new"] = baseOp()
+
+	running := baseOp()
+	running.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRunning, Lock: ichorv1.LockHeld, Target: "talos v1.13.7", Progress: "1/7", Current: "cp-2",
+		StartTime: ago(12 * time.Minute), ObservedGeneration: 1, Message: "upgrading cp-2",
+		Machines: []ichorv1.MachineStatus{
+			machine("cp-1", ichorv1.RoleControlPlane, ichorv1.MachineSucceeded, "", 12*time.Minute, 8*time.Minute, "running v1.13.7"),
+			machine("cp-2", ichorv1.RoleControlPlane, ichorv1.MachineInProgress, "reboot", 45*time.Second, 0, "waiting for boot ID change"),
+			machine("cp-3", ichorv1.RoleControlPlane, ichorv1.MachinePending, "", 0, 0, ""),
+			machine("worker-1", ichorv1.RoleWorker, ichorv1.MachinePending, "", 0, 0, ""),
+			machine("worker-2", ichorv1.RoleWorker, ichorv1.MachinePending, "", 0, 0, ""),
+			machine("worker-3", ichorv1.RoleWorker, ichorv1.MachineSkipped, "", 0, 0, "held by ichor.maesh.dev/upgrade-hold"),
+			machine("worker-4", ichorv1.RoleWorker, ichorv1.MachinePending, "", 0, 0, ""),
+		},
+	}
+	s["running"] = running
+
+	failed := running.DeepCopy()
+	failed.Status.Phase, failed.Status.Reason = ichorv1.PhasePaused, ichorv1.ReasonStepFailed
+	failed.Status.FailureReason = "upgrade of cp-2 failed: installer image pull"
+	failed.Status.Message = "paused: a step failed\nsee the machine's message"
+	failed.Status.RetryCount = 1
+	failed.Status.Machines[1].Phase = ichorv1.MachineFailed
+	failed.Status.Machines[1].Attempts = 2
+	failed.Status.Machines[1].FinishedAt = ago(30 * time.Second)
+	// A multi-line message with a terminal escape in it: it must stay on one
+	// line and must not reach the terminal as an escape.
+	failed.Status.Machines[1].Message = "pull factory.talos.dev/installer:v1.13.7:\n\x1b[31mi/o timeout\x1b[0m"
+	s["failed"] = failed
+
+	both := failed.DeepCopy()
+	both.Spec.Paused = true
+	both.Annotations = map[string]string{ichorv1.RetryAnnotation: ichorv1.RetryRequested}
+	s["paused-failed-retry-pending"] = both
+
+	lock := baseOp()
+	lock.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonClusterLockHeld, Lock: ichorv1.LockWaiting,
+		LockHolder: ichorv1.OperationIdentity("prod", "rotate-ca-x9"), ObservedGeneration: 1,
+	}
+	s["lock-wait"] = lock
+
+	refused := baseOp()
+	refused.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRefused, ObservedGeneration: 1, Message: "preflight refused the upgrade",
+		StartTime: ago(time.Minute), CompletionTime: ago(50 * time.Second),
+		Conditions: []metav1.Condition{
+			{Type: ichorv1.ConditionReady, Status: metav1.ConditionFalse, Reason: "Refused", Message: "refused"},
+			{Type: "TalosUpgradePath", Status: metav1.ConditionFalse, Reason: "MinorSkipped", Message: "v1.11.6 to v1.13.7 skips 1.12: upgrade to v1.12.7 first"},
+			{Type: "Compatibility", Status: metav1.ConditionTrue, Reason: "Supported", Message: "ok"},
+		},
+	}
+	s["refused"] = refused
+
+	done := running.DeepCopy()
+	done.Status.Phase = ichorv1.PhaseSucceeded
+	done.Status.Lock, done.Status.Current, done.Status.Message, done.Status.Progress = "", "", "", "7/7"
+	done.Status.CompletionTime = ago(time.Minute)
+	for i := range done.Status.Machines {
+		m := &done.Status.Machines[i]
+		if m.Phase != ichorv1.MachineSkipped {
+			m.Phase, m.Step, m.Message = ichorv1.MachineSucceeded, "", "running v1.13.7"
+			m.StartedAt, m.FinishedAt = ago(time.Duration(12-i)*time.Minute), ago(time.Duration(11-i)*time.Minute)
+		}
+	}
+	s["succeeded"] = done
+
+	s["many"] = fleet(60, 3, 1)
+	return s
+}
+
+// fleet is an operation over n machines: a third done, active machines
+// under way, failed ones, the rest pending.
+func fleet(n, active, failed int) *ichorv1.TalosOperation {
+	op := baseOp()
+	op.Name = "upgrade-talos-fleet"
+	op.Spec.MaxUnavailable = int32(active)
+	op.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRunning, Lock: ichorv1.LockHeld, Target: "talos v1.13.7", StartTime: ago(2 * time.Hour), ObservedGeneration: 1,
+	}
+	done := n / 3
+	for i := range n {
+		role, name := ichorv1.RoleWorker, fmt.Sprintf("worker-%04d", i)
+		if i < 3 {
+			role, name = ichorv1.RoleControlPlane, fmt.Sprintf("cp-%d", i+1)
+		}
+		var m ichorv1.MachineStatus
+		switch {
+		case i < done:
+			m = machine(name, role, ichorv1.MachineSucceeded, "", time.Duration(n-i)*time.Minute, time.Duration(n-i-1)*time.Minute, "running v1.13.7")
+		case i < done+failed:
+			m = machine(name, role, ichorv1.MachineFailed, "drain", 5*time.Minute, time.Minute, "drain timed out: PodDisruptionBudget web/db allows no disruption")
+		case i < done+failed+active:
+			m = machine(name, role, ichorv1.MachineInProgress, "upgrade", time.Duration(i-done)*time.Minute+30*time.Second, 0, "installing v1.13.7")
+		default:
+			m = machine(name, role, ichorv1.MachinePending, "", 0, 0, "")
+		}
+		op.Status.Machines = append(op.Status.Machines, m)
+	}
+	op.Status.Progress = fmt.Sprintf("%d/%d", done, n)
+	return op
+}
+
+func golden(t *testing.T, name string, got string) {
+	t.Helper()
+	path := filepath.Join("testdata", name+".golden")
+	if *update {
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (run go test ./plugin/view -update to create it)", err)
+	}
+	if got != string(want) {
+		t.Errorf("%s differs from the golden file (rerun with -update after checking the change):\n--- got\n%s\n--- want\n%s", path, got, want)
+	}
+}
+
+func TestRenderGolden(t *testing.T) {
+	for name, op := range scenarios() {
+		for _, width := range []int{80, 120} {
+			for _, color := range []bool{false, true} {
+				file := fmt.Sprintf("render/%s-w%d", name, width)
+				if color {
+					file += "-color"
+				}
+				t.Run(file, func(t *testing.T) {
+					frame := Render(op, Options{Width: width, Color: color, Grouping: true, Now: now, Command: "kubectl ichor"})
+					for i, l := range frame {
+						if !color && strings.Contains(l, "\x1b") {
+							t.Errorf("line %d holds an escape character without colour: %q", i, l)
+						}
+						if n := len([]rune(ansi.ReplaceAllString(l, ""))); n > width {
+							t.Errorf("line %d is %d columns wide, more than %d: %q", i, n, width, l)
+						}
+					}
+					golden(t, file, strings.Join(frame, "\n")+"\n")
+				})
+			}
+		}
+	}
+}
+
+// TestRenderFolds renders operations that do not fit the terminal: rows of
+// machines in the same phase fold, failed and active machines keep theirs,
+// and the frame never exceeds the height.
+func TestRenderFolds(t *testing.T) {
+	tests := []struct {
+		name     string
+		op       *ichorv1.TalosOperation
+		height   int
+		grouping bool
+		ascii    bool
+	}{
+		{"many-h40", fleet(60, 3, 1), 40, true, false},
+		{"many-h15", fleet(60, 3, 1), 15, true, false},
+		{"many-h15-ascii", fleet(60, 3, 1), 15, true, true},
+		{"many-h15-nogrouping", fleet(60, 3, 1), 15, false, false},
+		{"wide-batch-h12", fleet(300, 40, 2), 12, true, false},
+		{"tiny-h5", fleet(60, 3, 1), 5, true, false},
+		{"running-h6", scenarios()["running"], 6, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			frame := Render(tt.op, Options{Width: 120, Height: tt.height, Grouping: tt.grouping, ASCII: tt.ascii, Now: now, Command: "kubectl ichor"})
+			if len(frame) > tt.height {
+				t.Errorf("frame has %d lines, more than the height %d", len(frame), tt.height)
+			}
+			golden(t, "render/fold-"+tt.name, strings.Join(frame, "\n")+"\n")
+		})
+	}
+}
+
+// TestLayoutAccountsForEveryMachine checks that, however the rows fold and
+// clip, every machine is counted exactly once.
+func TestLayoutAccountsForEveryMachine(t *testing.T) {
+	for _, n := range []int{1, 7, 60, 301, 5000} {
+		for _, avail := range []int{1, 2, 3, 5, 10, 40, 0} {
+			for _, grouping := range []bool{true, false} {
+				op := fleet(n, min(40, n/3), min(2, n/10))
+				ms := op.Status.Machines
+				rows := layout(ms, avail, grouping)
+				if avail > 0 && len(rows) > avail {
+					t.Errorf("n=%d avail=%d grouping=%v: %d rows", n, avail, grouping, len(rows))
+				}
+				seen := make([]int, len(ms))
+				for _, r := range rows {
+					if r.group == nil && !r.more {
+						seen[r.machine]++
+					}
+					for _, i := range r.group {
+						seen[i]++
+					}
+				}
+				for i, c := range seen {
+					if c != 1 {
+						t.Fatalf("n=%d avail=%d grouping=%v: machine %d counted %d times", n, avail, grouping, i, c)
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestRenderListGolden(t *testing.T) {
+	s := scenarios()
+	ops := []ichorv1.TalosOperation{*s["succeeded"], *s["failed"], *s["lock-wait"], *s["new"]}
+	for i := range ops {
+		ops[i].Name = fmt.Sprintf("%s-%d", ops[i].Name, i)
+	}
+	for _, width := range []int{80, 120} {
+		for _, color := range []bool{false, true} {
+			file := fmt.Sprintf("list/ops-w%d", width)
+			if color {
+				file += "-color"
+			}
+			frame := RenderList("prod", ops, Options{Width: width, Color: color, Now: now})
+			golden(t, file, strings.Join(frame, "\n")+"\n")
+		}
+	}
+	clipped := RenderList("prod", ops, Options{Width: 120, Height: 4, Now: now})
+	golden(t, "list/ops-h4", strings.Join(clipped, "\n")+"\n")
+}
+
+// TestChangesGolden feeds the plain log a sequence of observations of one
+// operation, a second apart, as `watch` prints them when not on a terminal.
+func TestChangesGolden(t *testing.T) {
+	s := scenarios()
+	seq := []*ichorv1.TalosOperation{s["new"], s["running"], s["running"], s["failed"], s["paused-failed-retry-pending"], s["succeeded"]}
+	var b strings.Builder
+	var prev *ichorv1.TalosOperation
+	for i, op := range seq {
+		for _, l := range Changes(prev, op, now.Add(time.Duration(i)*time.Second)) {
+			if strings.ContainsRune(l, '\x1b') || strings.ContainsRune(l, '\n') {
+				t.Errorf("log line carries a control character: %q", l)
+			}
+			b.WriteString(l + "\n")
+		}
+		prev = op
+	}
+	golden(t, "plain/upgrade.log", b.String())
+}
+
+func TestScreenRedrawsInPlace(t *testing.T) {
+	var out bytes.Buffer
+	s := NewScreen(&out)
+	if err := s.Draw([]string{"first", strings.Repeat("x", 25)}, 10); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Draw([]string{"second"}, 10); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// Hide the cursor; draw; go up the 4 physical lines of the first frame
+	// (the 25-column line wraps into 3 at width 10); overwrite; clear below;
+	// show the cursor. Never a full-screen clear.
+	want := "\x1b[?25lfirst\x1b[K\n" + strings.Repeat("x", 25) + "\x1b[K\n\x1b[J" +
+		"\r\x1b[4Asecond\x1b[K\n\x1b[J" +
+		"\x1b[?25h"
+	if got := out.String(); got != want {
+		t.Errorf("screen wrote\n%q\nwant\n%q", got, want)
+	}
+	if strings.Contains(out.String(), "\x1b[2J") {
+		t.Error("screen cleared the whole screen")
+	}
+}
+
+func TestClean(t *testing.T) {
+	tests := map[string]string{
+		"plain":                    "plain",
+		"two\nlines\ttab":          "two lines tab",
+		"\x1b[31mred\x1b[0m":       "^[[31mred^[[0m",
+		"bell\a and \u009b csi":    "bell? and ? csi",
+		"carriage\rreturn":         `carriage\rreturn`,
+		"ünïcödé ✔ stays as it is": "ünïcödé ✔ stays as it is",
+	}
+	for in, want := range tests {
+		if got := Clean(in); got != want {
+			t.Errorf("Clean(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// BenchmarkRender5000 renders one frame of an operation over 5,000 machines
+// on a 120x50 terminal. Budget: 50 ms a frame; budget-ratio below 1 is
+// within it.
+func BenchmarkRender5000(b *testing.B) {
+	op := fleet(5000, 50, 3)
+	o := Options{Width: 120, Height: 49, Color: true, Grouping: true, Now: now, Command: "kubectl ichor"}
+	b.ResetTimer()
+	for b.Loop() {
+		Render(op, o)
+	}
+	perFrame := b.Elapsed() / time.Duration(b.N)
+	b.ReportMetric(float64(perFrame)/float64(50*time.Millisecond), "budget-ratio")
+}
