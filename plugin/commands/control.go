@@ -178,9 +178,8 @@ func (o *controlOptions) Validate() error {
 }
 
 func (o *controlOptions) printer(verb string) (printers.ResourcePrinter, error) {
-	pf := cmdutil.PrintFlagsWithDryRunStrategy(o.printFlags, o.dryRun)
-	pf.NamePrintFlags.Operation = verb
-	return pf.ToPrinter()
+	o.printFlags.NamePrintFlags.Operation = verb
+	return cmdutil.PrintFlagsWithDryRunStrategy(o.printFlags, o.dryRun).ToPrinter()
 }
 
 func (o *controlOptions) Run(ctx context.Context) error {
