@@ -3,10 +3,9 @@
 package machine
 
 import (
-	"strings"
-
 	corev1 "k8s.io/api/core/v1"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
 
@@ -44,11 +43,11 @@ func Unavailable(n *corev1.Node) bool { return !Ready(n) || n.Spec.Unschedulable
 // TalosVersion is the version in the Node's OS image, "Talos (v1.12.4)", or
 // "" when the Node does not run Talos.
 func TalosVersion(n *corev1.Node) string {
-	img := n.Status.NodeInfo.OSImage
-	if !strings.HasPrefix(img, "Talos (") || !strings.HasSuffix(img, ")") {
+	v, err := compat.ParseOSImage(n.Status.NodeInfo.OSImage)
+	if err != nil {
 		return ""
 	}
-	return strings.TrimSuffix(strings.TrimPrefix(img, "Talos ("), ")")
+	return v.String()
 }
 
 // KubeletVersion is the kubelet version the Node reports.

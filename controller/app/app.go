@@ -1,0 +1,148 @@
+// Package app wires ichor-controller: a controller-runtime manager with
+// leader election, metrics and health probes, and the reconcilers. main.go
+// and the integration tests start the controller through it, so the tests
+// run exactly what ships.
+package app
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/client-go/kubernetes"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/lock"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/controller/talos"
+)
+
+// Scheme knows the built-in types and TalosOperation.
+var Scheme = runtime.NewScheme()
+
+func init() {
+	utilruntime.Must(clientgoscheme.AddToScheme(Scheme))
+	utilruntime.Must(ichorv1.AddToScheme(Scheme))
+}
+
+// Options configure the controller.
+type Options struct {
+	// Namespace is where the controller keeps its lock Lease, leader Lease
+	// and reads the talosconfig Secret.
+	Namespace string
+	// MetricsAddr and ProbeAddr are listen addresses; "0" disables.
+	MetricsAddr string
+	ProbeAddr   string
+	// LeaderElection turns on leader election (on in production).
+	LeaderElection bool
+	// LeaseDuration, RenewDeadline and RetryPeriod tune leader election;
+	// zero keeps controller-runtime's defaults.
+	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
+	// StepTimeout bounds steps that set none.
+	StepTimeout time.Duration
+	// Version is reported on the leader Lease.
+	Version string
+	// Executors overrides the kinds carried out (tests); nil means executor.Default().
+	Executors executor.Registry
+	Log       logr.Logger
+}
+
+// New builds the manager with every reconciler registered.
+func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
+	if o.Namespace == "" {
+		o.Namespace = ichorv1.DefaultNamespace
+	}
+	if o.Executors == nil {
+		o.Executors = executor.Default()
+	}
+	mo := ctrl.Options{
+		Scheme:                        Scheme,
+		Logger:                        o.Log,
+		Metrics:                       metricsserver.Options{BindAddress: orDefault(o.MetricsAddr, ":8080")},
+		HealthProbeBindAddress:        orDefault(o.ProbeAddr, ":8081"),
+		LeaderElection:                o.LeaderElection,
+		LeaderElectionID:              ichorv1.LeaderLeaseName,
+		LeaderElectionNamespace:       o.Namespace,
+		LeaderElectionReleaseOnCancel: true,
+		Cache:                         cacheOptions(o.Namespace),
+	}
+	if o.LeaseDuration > 0 {
+		mo.LeaseDuration, mo.RenewDeadline, mo.RetryPeriod = &o.LeaseDuration, &o.RenewDeadline, &o.RetryPeriod
+	}
+	mgr, err := ctrl.NewManager(cfg, mo)
+	if err != nil {
+		return nil, fmt.Errorf("new manager: %w", err)
+	}
+	if err := mgr.AddHealthzCheck("healthz", healthz.Ping); err != nil {
+		return nil, err
+	}
+	if err := mgr.AddReadyzCheck("readyz", healthz.Ping); err != nil {
+		return nil, err
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("clientset: %w", err)
+	}
+	lk := &lock.Lock{Client: mgr.GetClient(), Namespace: o.Namespace,
+		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
+	r := &operation.Reconciler{
+		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
+		Lock: lk, Talos: &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace},
+		APIReader: mgr.GetAPIReader(), Executors: o.Executors, StepTimeout: o.StepTimeout,
+		Log: o.Log.WithName("operation"),
+	}
+	if err := r.SetupWithManager(mgr); err != nil {
+		return nil, fmt.Errorf("set up the operation reconciler: %w", err)
+	}
+	if err := mgr.Add(&versionReporter{client: mgr.GetClient(), namespace: o.Namespace, version: o.Version, log: o.Log}); err != nil {
+		return nil, err
+	}
+	return mgr, nil
+}
+
+// cacheOptions keep the informers lean: the one Secret and the Leases of
+// the controller's namespace only, and no managed fields anywhere (Nodes of
+// a large cluster dominate memory).
+func cacheOptions(ns string) cache.Options {
+	return cache.Options{
+		DefaultTransform: toolscache.TransformFunc(cache.TransformStripManagedFields()),
+		ByObject: map[client.Object]cache.ByObject{
+			&corev1.Secret{}: {
+				Namespaces: map[string]cache.Config{ns: {}},
+				Field:      fields.OneTermEqualSelector("metadata.name", ichorv1.TalosconfigSecret),
+			},
+			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{ns: {}}},
+		},
+	}
+}
+
+func orDefault(s, d string) string {
+	if s == "" {
+		return d
+	}
+	return s
+}
+
+// Run starts the controller and blocks until ctx is done.
+func Run(ctx context.Context, cfg *rest.Config, o Options) error {
+	mgr, err := New(cfg, o)
+	if err != nil {
+		return err
+	}
+	return mgr.Start(ctx)
+}

@@ -1,0 +1,74 @@
+// Command ichor-controller carries out TalosOperations. Run without a
+// subcommand it is the controller; `ichor-controller lock` takes or releases
+// the cluster lock from a Job's init container.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/lockcmd"
+	"maesh.dev/ichor/internal/version"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := newRoot().ExecuteContext(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+}
+
+func newRoot() *cobra.Command {
+	o := app.Options{Version: version.Version}
+	zo := zap.Options{}
+	cmd := &cobra.Command{
+		Use:           "ichor-controller",
+		Short:         "Carries out TalosOperations on a Talos Linux cluster",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Args:          cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log := zap.New(zap.UseFlagOptions(&zo))
+			ctrl.SetLogger(log)
+			klog.SetLogger(log)
+			o.Log = log
+			log.Info("starting ichor-controller", "version", version.Version, "namespace", o.Namespace)
+			cfg, err := ctrl.GetConfig()
+			if err != nil {
+				return fmt.Errorf("kubeconfig: %w", err)
+			}
+			return app.Run(cmd.Context(), cfg, o)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.Namespace, "namespace", ichorv1.DefaultNamespace, "namespace of the cluster lock, the leader Lease and Secret "+ichorv1.TalosconfigSecret)
+	f.StringVar(&o.MetricsAddr, "metrics-bind-address", ":8080", `address of the Prometheus metrics endpoint ("0" disables it)`)
+	f.StringVar(&o.ProbeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
+	f.BoolVar(&o.LeaderElection, "leader-elect", true, "elect a leader among replicas (Lease "+ichorv1.LeaderLeaseName+")")
+	f.DurationVar(&o.StepTimeout, "step-timeout", 15*time.Minute, "time limit of steps that set none of their own")
+	gf := flag.NewFlagSet("zap", flag.ContinueOnError)
+	zo.BindFlags(gf)
+	f.AddGoFlagSet(gf)
+
+	cmd.AddCommand(lockcmd.New(), &cobra.Command{
+		Use:   "version",
+		Short: "Print the version",
+		Args:  cobra.NoArgs,
+		Run:   func(cmd *cobra.Command, _ []string) { fmt.Fprintln(cmd.OutOrStdout(), version.Version) },
+	})
+	return cmd
+}

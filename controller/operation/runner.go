@@ -1,0 +1,214 @@
+package operation
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+)
+
+// runner runs the Run steps of machines outside the reconcile loop and keeps
+// their results until status has recorded them. It is the only state the
+// controller keeps in memory, and it is a cache of work in flight: the step
+// each goroutine runs was written to status before it started, so a new
+// controller that has none of this memory runs the interrupted step again.
+type runner struct {
+	mu      sync.Mutex
+	base    context.Context
+	jobs    map[machineKey]*job
+	results map[machineKey]result
+	// waits remembers when a Wait step was first seen, for its timeout.
+	waits   map[stepKey]time.Time
+	wg      sync.WaitGroup
+	trigger chan event.GenericEvent
+	now     func() time.Time
+}
+
+type machineKey struct {
+	op      types.UID
+	machine string
+}
+
+type stepKey struct {
+	machineKey
+	step    string
+	attempt int32
+}
+
+type job struct {
+	step    string
+	attempt int32
+	cancel  context.CancelFunc
+}
+
+type result struct {
+	step    string
+	attempt int32
+	outcome executor.Outcome
+	err     error
+	took    time.Duration
+}
+
+func newRunner(now func() time.Time) *runner {
+	return &runner{
+		jobs:    map[machineKey]*job{},
+		results: map[machineKey]result{},
+		waits:   map[stepKey]time.Time{},
+		trigger: make(chan event.GenericEvent, 1024),
+		now:     now,
+	}
+}
+
+// Start implements manager.Runnable: steps run under the manager's context,
+// so losing leadership or stopping cancels them.
+func (r *runner) Start(ctx context.Context) error {
+	r.mu.Lock()
+	r.base = ctx
+	r.mu.Unlock()
+	<-ctx.Done()
+	r.wg.Wait()
+	return nil
+}
+
+// NeedLeaderElection implements manager.LeaderElectionRunnable.
+func (r *runner) NeedLeaderElection() bool { return true }
+
+// busy reports whether a step of the machine is running or has a result
+// that status has not recorded yet.
+func (r *runner) busy(k machineKey, step string, attempt int32) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if j, ok := r.jobs[k]; ok && j.step == step && j.attempt == attempt {
+		return true
+	}
+	res, ok := r.results[k]
+	return ok && res.step == step && res.attempt == attempt
+}
+
+// running reports whether any step of the operation is running.
+func (r *runner) running(op types.UID) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for k, j := range r.jobs {
+		if k.op == op {
+			out = append(out, k.machine+": "+j.step)
+		}
+	}
+	return out
+}
+
+// launch runs step in a goroutine and wakes the operation's reconcile when it ends.
+func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.base == nil || r.base.Err() != nil {
+		return false
+	}
+	if _, ok := r.jobs[k]; ok {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(r.base, timeout)
+	r.jobs[k] = &job{step: step.Name, attempt: attempt, cancel: cancel}
+	r.wg.Add(1)
+	wake := &ichorv1.TalosOperation{}
+	wake.Namespace, wake.Name = op.Namespace, op.Name
+	go func() {
+		defer r.wg.Done()
+		defer cancel()
+		start := r.now()
+		out, err := step.Run(ctx, env)
+		if err == nil && ctx.Err() != nil && r.base.Err() != nil {
+			return // the manager is stopping: a new leader runs the step again
+		}
+		if err != nil && ctx.Err() == context.DeadlineExceeded {
+			err = executor.Fail(executor.FailureReason(step.Name), "%s did not finish within %s: %w", step.Name, timeout, err)
+		}
+		r.mu.Lock()
+		delete(r.jobs, k)
+		if r.base.Err() == nil {
+			r.results[k] = result{step: step.Name, attempt: attempt, outcome: out, err: err, took: r.now().Sub(start)}
+		}
+		r.mu.Unlock()
+		select {
+		case r.trigger <- event.GenericEvent{Object: wake}:
+		default:
+			// The channel only wakes reconciles; a full one means one is due anyway.
+		}
+	}()
+	return true
+}
+
+// take returns the unrecorded result of the machine's current step.
+func (r *runner) take(k machineKey, step string, attempt int32) (result, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res, ok := r.results[k]
+	if !ok || res.step != step || res.attempt != attempt {
+		return result{}, false
+	}
+	return res, true
+}
+
+// settle drops what status has recorded: results (and wait deadlines) of
+// steps the machine has moved past, according to the persisted status.
+func (r *runner) settle(op *ichorv1.TalosOperation) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	current := map[string]ichorv1.MachineStatus{}
+	for _, m := range op.Status.Machines {
+		current[m.Name] = m
+	}
+	for k, res := range r.results {
+		if k.op != op.UID {
+			continue
+		}
+		m, ok := current[k.machine]
+		if !ok || m.Phase != ichorv1.MachineInProgress || m.Step != res.step || m.Attempts != res.attempt {
+			delete(r.results, k)
+		}
+	}
+	for k := range r.waits {
+		if k.op != op.UID {
+			continue
+		}
+		m, ok := current[k.machine]
+		if !ok || m.Phase != ichorv1.MachineInProgress || m.Step != k.step || m.Attempts != k.attempt {
+			delete(r.waits, k)
+		}
+	}
+}
+
+// waitDeadline returns when a Wait step times out, starting its clock the
+// first time it is seen.
+func (r *runner) waitDeadline(k stepKey, timeout time.Duration) time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	first, ok := r.waits[k]
+	if !ok {
+		first = r.now()
+		r.waits[k] = first
+	}
+	return first.Add(timeout)
+}
+
+// forget drops everything about a deleted operation.
+func (r *runner) forget(uid types.UID) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k := range r.results {
+		if k.op == uid {
+			delete(r.results, k)
+		}
+	}
+	for k := range r.waits {
+		if k.op == uid {
+			delete(r.waits, k)
+		}
+	}
+}

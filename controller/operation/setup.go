@@ -1,0 +1,138 @@
+package operation
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/builder"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/handler"
+	"sigs.k8s.io/controller-runtime/pkg/metrics"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
+	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/machine"
+)
+
+// SetupWithManager registers the reconciler, the step runner and the
+// watches: TalosOperations, Nodes (only changes that matter to a step), the
+// cluster lock Lease, the talosconfig Secret, and finished steps.
+func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
+	if r.StepTimeout == 0 {
+		r.StepTimeout = 15 * time.Minute
+	}
+	r.runner = newRunner(r.now)
+	if err := mgr.Add(r.runner); err != nil {
+		return err
+	}
+	if err := metrics.Registry.Register(newPhaseCollector(mgr.GetClient())); err != nil {
+		r.Log.V(1).Info("operations collector already registered", "err", err)
+	}
+	ns := r.Lock.Namespace
+	inNamespace := func(name string) predicate.Funcs {
+		return predicate.NewPredicateFuncs(func(o client.Object) bool { return o.GetNamespace() == ns && o.GetName() == name })
+	}
+	return ctrl.NewControllerManagedBy(mgr).
+		Named("talosoperation").
+		For(&ichorv1.TalosOperation{}).
+		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(nodeChanged())).
+		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName))).
+		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
+		WatchesRawSource(source.Channel(r.runner.trigger, &handler.EnqueueRequestForObject{})).
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
+		Complete(r)
+}
+
+// active maps any event to the operations that are not finished.
+func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
+	var ops ichorv1.TalosOperationList
+	if err := r.Client.List(ctx, &ops); err != nil {
+		r.Log.Error(err, "list operations")
+		return nil
+	}
+	var out []reconcile.Request
+	for _, op := range ops.Items {
+		if op.Succeeded() || (op.Refused() && !op.Spec.Override) {
+			continue
+		}
+		out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&op)})
+	}
+	return out
+}
+
+// nodeChanged passes Node events that can change what a step sees, and
+// drops the heartbeats that make up most Node updates.
+func nodeChanged() predicate.Funcs {
+	return predicate.Funcs{
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			a, okA := e.ObjectOld.(*corev1.Node)
+			b, okB := e.ObjectNew.(*corev1.Node)
+			if !okA || !okB {
+				return true
+			}
+			return machine.Ready(a) != machine.Ready(b) ||
+				a.Spec.Unschedulable != b.Spec.Unschedulable ||
+				a.Status.NodeInfo.BootID != b.Status.NodeInfo.BootID ||
+				a.Status.NodeInfo.OSImage != b.Status.NodeInfo.OSImage ||
+				a.Status.NodeInfo.KubeletVersion != b.Status.NodeInfo.KubeletVersion ||
+				!a.DeletionTimestamp.Equal(b.DeletionTimestamp) ||
+				a.Annotations[ichorv1.UpgradeHoldAnnotation] != b.Annotations[ichorv1.UpgradeHoldAnnotation] ||
+				a.Labels[ichorv1.UpgradeOrderLabel] != b.Labels[ichorv1.UpgradeOrderLabel]
+		},
+	}
+}
+
+// finalize lets a deleted operation go once the steps in flight have
+// settled, releasing the cluster lock.
+func (r *Reconciler) finalize(ctx context.Context, op *ichorv1.TalosOperation) (ctrl.Result, error) {
+	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
+		return ctrl.Result{}, nil
+	}
+	if running := r.runner.running(op.UID); len(running) > 0 {
+		// The step's end wakes this reconcile again.
+		r.Log.Info("operation deleted mid-step; waiting for the step to settle", "operation", client.ObjectKeyFromObject(op), "steps", strings.Join(running, ", "))
+		return ctrl.Result{}, nil
+	}
+	if err := r.release(ctx, op); err != nil {
+		return ctrl.Result{}, err
+	}
+	r.runner.forget(op.UID)
+	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
+	return ctrl.Result{}, r.Client.Update(ctx, op)
+}
+
+// release lets go of the cluster lock if this operation holds it.
+func (r *Reconciler) release(ctx context.Context, op *ichorv1.TalosOperation) error {
+	for _, id := range []string{ichorv1.OperationIdentity(op.Namespace, op.Name), r.machineIdentity(op)} {
+		if id == "" {
+			continue
+		}
+		held, released, err := r.Lock.Release(ctx, id)
+		if err != nil {
+			return fmt.Errorf("release cluster lock: %w", err)
+		}
+		if released {
+			lockHeld.Set(0)
+			lockHeldSeconds.Add(held.Seconds())
+			r.Recorder.Eventf(op, nil, corev1.EventTypeNormal, "LockReleased", "LockReleased", "released the cluster lock after %s", held.Round(time.Millisecond))
+		}
+	}
+	return nil
+}
+
+func (r *Reconciler) machineIdentity(op *ichorv1.TalosOperation) string {
+	if op.Spec.Kind == ichorv1.KindNode && op.Spec.Node != nil && op.Spec.Node.Action == ichorv1.NodeReset {
+		return ichorv1.MachineIdentity(op.Spec.Node.Machine)
+	}
+	return ""
+}
