@@ -1,0 +1,2 @@
+// Package sim starts fleets of simulated Talos machines.
+package sim

@@ -1,0 +1,556 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cosi-project/runtime/pkg/state"
+	cosiserver "github.com/cosi-project/runtime/pkg/state/protobuf/server"
+	"github.com/google/uuid"
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	"github.com/siderolabs/talos/pkg/machinery/config"
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
+)
+
+// Machine is one simulated machine. Its methods are safe for concurrent use.
+type Machine struct {
+	f       *Fleet
+	spec    MachineSpec
+	addr    string
+	cosi    state.State
+	cosiAPI *cosiserver.State
+	ep      *endpoint // control planes only
+
+	// applyMu serialises ApplyConfiguration as Talos does (TryLock).
+	applyMu sync.Mutex
+
+	mu         sync.Mutex
+	up         bool // answering the API
+	off        bool // powered off after a shutdown or a reset without reboot
+	powerOn    chan struct{}
+	stage      runtime.MachineStage
+	bootID     string
+	bootCtx    context.Context
+	bootCancel context.CancelFunc
+	events     *eventLog
+
+	version   string // running Talos version tag
+	schematic string
+	image     string     // installer the running system came from
+	next      *installer // installed to the inactive slot: boots next
+
+	cfg, persisted config.Provider
+	tryTimer       *time.Timer
+	applyRebooting bool
+
+	seq        *sequence
+	installing bool // a LifecycleService install runs
+	images     map[string]string
+
+	kubeletRunning bool
+
+	memberID        uint64
+	etcdRunning     bool
+	etcdData        bool
+	etcdDBSize      int64
+	etcdDBInUse     int64
+	recoverSnapshot []byte
+
+	faults        []*activeFault
+	annFaults     map[string]*activeFault
+	faultsChanged chan struct{}
+
+	openActions []int
+}
+
+type sequence struct {
+	name   string
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func newMachine(f *Fleet, spec MachineSpec, addr string) *Machine {
+	m := &Machine{
+		f:             f,
+		spec:          spec,
+		addr:          addr,
+		version:       spec.Talos,
+		schematic:     spec.Schematic,
+		image:         installerImage(spec.Platform, spec.SecureBoot, spec.Schematic, spec.Talos),
+		images:        map[string]string{},
+		annFaults:     map[string]*activeFault{},
+		faultsChanged: make(chan struct{}),
+		powerOn:       make(chan struct{}),
+		events:        newEventLog(),
+		etcdDBSize:    24 << 20,
+		etcdDBInUse:   16 << 20,
+	}
+	m.cosi, m.cosiAPI = newCOSI()
+	return m
+}
+
+// Name is the machine's hostname and Node name.
+func (m *Machine) Name() string { return m.spec.Name }
+
+// Role is the machine's role.
+func (m *Machine) Role() Role { return m.spec.Role }
+
+// Address is the machine's Talos node address (its Node's InternalIP).
+func (m *Machine) Address() string { return m.addr }
+
+// Endpoint is a control plane's Talos API listener ("ip:port"); empty on
+// a worker.
+func (m *Machine) Endpoint() string {
+	if m.ep == nil {
+		return ""
+	}
+	return m.ep.address()
+}
+
+// Version is the running Talos version, e.g. "v1.12.4".
+func (m *Machine) Version() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.version
+}
+
+// NextVersion is the version the next boot starts: an installed but not yet
+// booted upgrade, else the running version.
+func (m *Machine) NextVersion() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.next != nil {
+		return m.next.version
+	}
+	return m.version
+}
+
+// BootID is the current boot's ID (/proc/sys/kernel/random/boot_id).
+func (m *Machine) BootID() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.bootID
+}
+
+// Schematic is the running Image Factory schematic ID ("" if none).
+func (m *Machine) Schematic() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.schematic
+}
+
+// Image is the installer image the running system was installed from.
+func (m *Machine) Image() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.image
+}
+
+// KubeletVersion is the kubelet version of the active configuration, e.g.
+// "1.35.0".
+func (m *Machine) KubeletVersion() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return imageTag(m.cfg.RawV1Alpha1().Machine().Kubelet().Image())
+}
+
+// Config is the active machine configuration.
+func (m *Machine) Config() config.Provider {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.cfg
+}
+
+// Down reports whether the machine does not answer the Talos API (it is
+// rebooting, shut down or held by a no-return fault).
+func (m *Machine) Down() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return !m.up
+}
+
+// Off reports whether the machine is powered off (after a shutdown, or a
+// reset without reboot) and waits for PowerOn.
+func (m *Machine) Off() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.off
+}
+
+// Stage is the machine's stage as COSI MachineStatus reports it.
+func (m *Machine) Stage() runtime.MachineStage {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.stage
+}
+
+// PowerOn boots a machine that is powered off, as pressing its power button.
+func (m *Machine) PowerOn() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.off {
+		return fmt.Errorf("machine %s is not powered off", m.Name())
+	}
+	m.off = false
+	close(m.powerOn)
+	return nil
+}
+
+// startSequence runs run in the background as the machine's one sequence,
+// as Talos's sequencer does: while one runs another is dropped (Talos
+// answers the call and only logs that), unless takeover, which cancels the
+// running one first (Shutdown, Reset, ApplyConfiguration's reboot).
+func (m *Machine) startSequence(name string, takeover bool, run func(ctx context.Context)) {
+	m.mu.Lock()
+	old := m.seq
+	if old != nil && !takeover {
+		m.mu.Unlock()
+		m.f.logf("%s: %s not started: %s is in progress", m.Name(), name, old.name)
+		return
+	}
+	ctx, cancel := context.WithCancel(m.f.ctx)
+	s := &sequence{name: name, cancel: cancel, done: make(chan struct{})}
+	m.seq = s
+	m.mu.Unlock()
+	if old != nil {
+		m.f.logf("%s: %s takes over from %s", m.Name(), name, old.name)
+		old.cancel()
+	}
+	m.f.wg.Add(1)
+	go func() {
+		defer m.f.wg.Done()
+		defer close(s.done)
+		defer cancel()
+		if old != nil {
+			<-old.done
+		}
+		m.f.logf("%s: %s started", m.Name(), name)
+		run(ctx)
+		m.mu.Lock()
+		if m.seq == s {
+			m.seq = nil
+		}
+		m.mu.Unlock()
+	}()
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// begin marks the start of a disruptive sequence.
+func (m *Machine) begin(kind ActionKind, stage runtime.MachineStage, sequenceName, actor string) {
+	idx := m.f.rec.start(m.Name(), kind)
+	m.mu.Lock()
+	m.openActions = append(m.openActions, idx)
+	m.stage = stage
+	events := m.events
+	m.mu.Unlock()
+	m.f.rec.setDown(m.Name(), m.spec.Role, true)
+	m.setMachineStatus(stage, false)
+	events.emit(actor, &machine.SequenceEvent{Sequence: sequenceName, Action: machine.SequenceEvent_START})
+	events.emit(actor, machineStatusEvent(stage, false))
+}
+
+// goDown stops the machine: its API stops answering (a control plane's
+// listener closes), calls in flight fail, its Node turns NotReady and its
+// etcd member drops out of quorum.
+func (m *Machine) goDown(actor string) {
+	m.mu.Lock()
+	events := m.events
+	m.mu.Unlock()
+	events.emit(actor, &machine.TaskEvent{Task: "stopAllServices", Action: machine.TaskEvent_START})
+	events.emit(actor, &machine.TaskEvent{Task: "stopAllServices", Action: machine.TaskEvent_STOP})
+	m.mu.Lock()
+	m.up = false
+	m.kubeletRunning = false
+	cancel := m.bootCancel
+	m.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
+	if m.ep != nil {
+		m.ep.close()
+	}
+	m.f.etcd.update()
+	m.f.kube.nodeDown(m)
+	m.f.logf("%s: down", m.Name())
+}
+
+// powerOff leaves the machine off until PowerOn (or the fleet stops).
+func (m *Machine) powerOff(ctx context.Context) error {
+	m.mu.Lock()
+	m.off = true
+	m.powerOn = make(chan struct{})
+	ch := m.powerOn
+	m.mu.Unlock()
+	m.f.logf("%s: powered off", m.Name())
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-ch:
+		return nil
+	}
+}
+
+// waitReturn is the time a machine takes to come back, held while a
+// no-return fault is set.
+func (m *Machine) waitReturn(ctx context.Context) error {
+	if err := sleep(ctx, m.f.spec.Durations.Reboot); err != nil {
+		return err
+	}
+	for {
+		m.mu.Lock()
+		held, changed := m.hasFaultLocked(FaultNoReturn, false), m.faultsChanged
+		m.mu.Unlock()
+		if !held {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-changed:
+		}
+	}
+}
+
+// boot brings the machine up: an installed upgrade takes effect (unless a
+// rollback fault sends it back to the old slot), a staged configuration
+// becomes active, the boot ID changes and everything starts again.
+func (m *Machine) boot(actor string) {
+	isMember := m.f.etcd.isMember(m)
+	m.mu.Lock()
+	applied := false
+	if m.next != nil {
+		if m.hasFaultLocked(FaultRollback, true) {
+			m.f.logf("%s: booting %s failed, rolled back to %s (fault rollback)", m.Name(), m.next.version, m.version)
+		} else {
+			m.version, m.schematic, m.image = m.next.version, m.next.schematic, m.next.ref
+			applied = true
+		}
+		m.next = nil
+	}
+	if m.tryTimer != nil {
+		m.tryTimer.Stop()
+		m.tryTimer = nil
+	}
+	m.cfg = m.persisted
+	m.applyRebooting = false
+	m.bootID = uuid.NewString()
+	m.events = newEventLog()
+	m.bootCtx, m.bootCancel = context.WithCancel(m.f.ctx)
+	m.stage = runtime.MachineStageRunning
+	m.up, m.off = true, false
+	m.kubeletRunning = true
+	m.etcdRunning = m.etcdData && isMember
+	open := m.openActions
+	m.openActions = nil
+	events, version := m.events, m.version
+	m.mu.Unlock()
+
+	if applied {
+		m.f.rec.upgradeApplied(m.Name())
+	}
+	events.emit(actor, machineStatusEvent(runtime.MachineStageBooting, false))
+	m.publish()
+	m.setMachineStatus(runtime.MachineStageRunning, true)
+	events.emit(actor, machineStatusEvent(runtime.MachineStageRunning, true))
+	if m.ep != nil {
+		if err := m.ep.open(); err != nil {
+			m.f.logf("%s: %v", m.Name(), err)
+		}
+	}
+	m.f.etcd.update()
+	m.f.kube.nodeUp(m)
+	m.f.rec.setDown(m.Name(), m.spec.Role, false)
+	for _, i := range open {
+		m.f.rec.finish(i)
+	}
+	if actor != "" || applied {
+		m.f.logf("%s: up on %s", m.Name(), version)
+	}
+}
+
+func machineStatusEvent(stage runtime.MachineStage, ready bool) *machine.MachineStatusEvent {
+	return &machine.MachineStatusEvent{
+		Stage:  machine.MachineStatusEvent_MachineStage(stage),
+		Status: &machine.MachineStatusEvent_MachineStatus{Ready: ready},
+	}
+}
+
+// reboot is the reboot sequence (also the one an ApplyConfiguration in
+// REBOOT mode runs).
+func (m *Machine) reboot(ctx context.Context, actor string) {
+	m.begin(ActionReboot, runtime.MachineStageRebooting, "reboot", actor)
+	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
+		return
+	}
+	m.goDown(actor)
+	if m.waitReturn(ctx) != nil {
+		return
+	}
+	m.boot(actor)
+}
+
+// legacyUpgrade is the sequence MachineService.Upgrade starts: cordon and
+// drain, stop, install to the inactive slot, reboot. With stage, the
+// install happens during the reboot instead (Talos reboots twice).
+func (m *Machine) legacyUpgrade(ctx context.Context, actor string, in installer, stage bool) {
+	if stage {
+		m.begin(ActionUpgrade, runtime.MachineStageRebooting, "stageUpgrade", actor)
+	} else {
+		m.begin(ActionUpgrade, runtime.MachineStageUpgrading, "upgrade", actor)
+		m.f.kube.talosDrain(ctx, m)
+	}
+	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
+		return
+	}
+	if stage {
+		m.goDown(actor)
+	}
+	if sleep(ctx, m.f.spec.Durations.Install) != nil {
+		return
+	}
+	m.install(in)
+	if !stage {
+		m.goDown(actor)
+	}
+	if m.waitReturn(ctx) != nil {
+		return
+	}
+	m.boot(actor)
+}
+
+// install writes in to the inactive slot, after the installer's preflight.
+func (m *Machine) install(in installer) error {
+	m.mu.Lock()
+	host := m.version
+	m.mu.Unlock()
+	if err := checkUpgradeable(host, in.version); err != nil {
+		m.f.logf("%s: upgrade to %s failed: %v", m.Name(), in.version, err)
+		return err
+	}
+	m.mu.Lock()
+	m.next = &in
+	m.mu.Unlock()
+	m.f.logf("%s: installed %s, active at next boot", m.Name(), in.version)
+	return nil
+}
+
+func (m *Machine) shutdown(ctx context.Context, actor string, force bool) {
+	m.begin(ActionShutdown, runtime.MachineStageShuttingDown, "shutdown", actor)
+	if !force {
+		m.f.kube.talosDrain(ctx, m)
+	}
+	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
+		return
+	}
+	m.goDown(actor)
+	if m.powerOff(ctx) != nil || m.waitReturn(ctx) != nil {
+		return
+	}
+	m.boot(actor)
+}
+
+// resetPlan is what a Reset wipes.
+type resetPlan struct {
+	graceful, reboot bool
+	wipeEtcd         bool // EPHEMERAL (which holds /var/lib/etcd) goes
+}
+
+func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
+	m.begin(ActionReset, runtime.MachineStageResetting, "reset", actor)
+	if p.graceful {
+		m.f.kube.talosDrain(ctx, m)
+		if m.spec.Role == ControlPlane {
+			if err := m.f.etcd.leave(m); err != nil {
+				m.f.logf("%s: reset: leave etcd: %v", m.Name(), err)
+			}
+		}
+	}
+	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
+		return
+	}
+	if p.wipeEtcd && m.spec.Role == ControlPlane {
+		m.f.etcd.wipe(m)
+	}
+	m.goDown(actor)
+	if !p.reboot {
+		if m.powerOff(ctx) != nil {
+			return
+		}
+	}
+	if m.waitReturn(ctx) != nil {
+		return
+	}
+	m.boot(actor)
+}
+
+// restartKubelet stops the kubelet (its Service resource is destroyed) and
+// starts it again after Durations.KubeletRestart, as ServiceRestart and a
+// kubelet config change do.
+func (m *Machine) restartService(id string) {
+	m.mu.Lock()
+	ctx := m.bootCtx
+	if id == "kubelet" {
+		m.kubeletRunning = false
+	}
+	m.mu.Unlock()
+	m.destroy(serviceMetadata(id))
+	m.f.wg.Add(1)
+	go func() {
+		defer m.f.wg.Done()
+		if sleep(ctx, m.f.spec.Durations.KubeletRestart) != nil {
+			return
+		}
+		m.mu.Lock()
+		if id == "kubelet" {
+			m.kubeletRunning = true
+		}
+		m.mu.Unlock()
+		m.putService(id, true)
+		if id == "kubelet" {
+			m.f.kube.nodeUp(m)
+		}
+	}()
+}
+
+// services lists the services a machine runs.
+func (m *Machine) services() []string {
+	s := []string{"apid", "containerd", "cri", "machined", "udevd", "kubelet"}
+	if m.spec.Role == ControlPlane {
+		s = append(s, "etcd", "trustd")
+	}
+	return append(s, m.spec.ExtensionServices...)
+}
+
+func (m *Machine) hasService(id string) bool {
+	for _, s := range m.services() {
+		if s == id {
+			return true
+		}
+	}
+	return false
+}
+
+// restartable reports whether Talos restarts the service through the API:
+// only the kubelet and extension services implement APIRestartAllowed.
+func restartable(id string) bool { return id == "kubelet" || strings.HasPrefix(id, "ext-") }
+
+// osImage is what the Node reports as its OS.
+func (m *Machine) osImage() string {
+	return fmt.Sprintf("Talos (%s)", m.Version())
+}
+
+var errDown = errors.New("machine is down")

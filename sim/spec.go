@@ -1,0 +1,212 @@
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/blang/semver/v4"
+	"github.com/siderolabs/talos/pkg/machinery/compatibility"
+)
+
+// Role is a machine's role in the cluster.
+type Role string
+
+// The two roles a machine can have.
+const (
+	ControlPlane Role = "controlplane"
+	Worker       Role = "worker"
+)
+
+// Defaults used by Cluster and for empty MachineSpec fields.
+const (
+	DefaultTalos      = "v1.12.4"
+	DefaultKubernetes = "1.35.0"
+	DefaultPlatform   = "metal"
+	// EmptySchematic is Image Factory's ID of the schematic without
+	// customisations (talosctl's constants.ImageFactoryEmptySchematicID).
+	EmptySchematic = "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba"
+)
+
+// Spec describes a fleet.
+type Spec struct {
+	// Name is the cluster name; it prefixes the machine names Cluster makes
+	// and names the talosconfig context. Default "sim".
+	Name string
+	// Machines, in any order. At least one must be a control plane: the
+	// control planes' listeners are the Talos API endpoints.
+	Machines []MachineSpec
+	// Durations of the simulated steps; zero fields take DefaultDurations.
+	Durations Durations
+	// Unbootstrapped starts the control planes with empty etcd data, waiting
+	// for a Bootstrap call, instead of as a running etcd cluster.
+	Unbootstrapped bool
+	// Logf, when set, receives one line per notable event (sequences,
+	// faults, errors of the simulated kubelet). Tests pass t.Logf.
+	Logf func(format string, args ...any)
+}
+
+// MachineSpec describes one machine.
+type MachineSpec struct {
+	// Name is the hostname and the Kubernetes Node name.
+	Name string
+	Role Role
+	// Talos is the running Talos version, e.g. "v1.12.4" (the v is optional).
+	Talos string
+	// Kubernetes is the kubelet's (and on a control plane, the control-plane
+	// components') version, e.g. "1.35.0".
+	Kubernetes string
+	// Schematic is the Image Factory schematic ID the machine booted from,
+	// served as the "schematic" extension. Empty means the machine was not
+	// booted from Image Factory: no schematic extension at all.
+	Schematic string
+	// Platform, as Version reports it, e.g. "metal", "aws". Default metal.
+	Platform string
+	// SecureBoot is reported by the COSI SecurityState resource.
+	SecureBoot bool
+	// ExtensionServices are extension services (e.g. "ext-iscsid") that
+	// ServiceRestart accepts, as Talos accepts kubelet and extensions.
+	ExtensionServices []string
+}
+
+// Durations are the simulated steps' lengths. They default to milliseconds
+// so that tests run fast; the sandbox sets seconds.
+type Durations struct {
+	// Stop is how long a machine takes to stop its services before it goes
+	// down (reboot, upgrade, shutdown, reset), after any drain.
+	Stop time.Duration
+	// Reboot is how long a machine is down before it answers again.
+	Reboot time.Duration
+	// Install is how long the installer runs (legacy Upgrade and
+	// LifecycleService.Upgrade).
+	Install time.Duration
+	// ImagePull is how long ImageService.Pull (and the legacy Upgrade's
+	// pull) takes.
+	ImagePull time.Duration
+	// KubeletRestart is how long the kubelet is down after ServiceRestart or
+	// a kubelet config change.
+	KubeletRestart time.Duration
+	// PodGrace caps how long a pod being deleted on a machine's Node lingers
+	// before the machine's simulated kubelet removes it: min(the pod's own
+	// grace period, PodGrace).
+	PodGrace time.Duration
+	// DrainTimeout bounds the drain Talos itself does in the legacy upgrade,
+	// shutdown and graceful reset sequences (Talos: 10 minutes).
+	DrainTimeout time.Duration
+}
+
+// DefaultDurations are the test defaults.
+func DefaultDurations() Durations {
+	return Durations{
+		Stop:           5 * time.Millisecond,
+		Reboot:         20 * time.Millisecond,
+		Install:        10 * time.Millisecond,
+		ImagePull:      5 * time.Millisecond,
+		KubeletRestart: 5 * time.Millisecond,
+		PodGrace:       10 * time.Millisecond,
+		DrainTimeout:   10 * time.Second,
+	}
+}
+
+func (d Durations) withDefaults() Durations {
+	def := DefaultDurations()
+	for _, f := range []struct{ v, def *time.Duration }{
+		{&d.Stop, &def.Stop}, {&d.Reboot, &def.Reboot}, {&d.Install, &def.Install},
+		{&d.ImagePull, &def.ImagePull}, {&d.KubeletRestart, &def.KubeletRestart},
+		{&d.PodGrace, &def.PodGrace}, {&d.DrainTimeout, &def.DrainTimeout},
+	} {
+		if *f.v <= 0 {
+			*f.v = *f.def
+		}
+	}
+	return d
+}
+
+// Cluster returns the spec of a fleet named name with controlPlanes control
+// planes (name-cp-1...) and workers workers (name-w-1...), all on
+// DefaultTalos and DefaultKubernetes, booted from EmptySchematic on metal.
+// Change the returned machines' fields before Start to vary them.
+func Cluster(name string, controlPlanes, workers int) Spec {
+	if name == "" {
+		name = "sim"
+	}
+	spec := Spec{Name: name}
+	add := func(role Role, prefix string, n int) {
+		for i := 1; i <= n; i++ {
+			spec.Machines = append(spec.Machines, MachineSpec{
+				Name:       fmt.Sprintf("%s-%s-%d", name, prefix, i),
+				Role:       role,
+				Talos:      DefaultTalos,
+				Kubernetes: DefaultKubernetes,
+				Schematic:  EmptySchematic,
+				Platform:   DefaultPlatform,
+			})
+		}
+	}
+	add(ControlPlane, "cp", controlPlanes)
+	add(Worker, "w", workers)
+	return spec
+}
+
+// validate fills defaults in a copy of spec and reports every problem at once.
+func (s Spec) validate() (Spec, error) {
+	if s.Name == "" {
+		s.Name = "sim"
+	}
+	s.Durations = s.Durations.withDefaults()
+	s.Machines = append([]MachineSpec(nil), s.Machines...)
+	var errs []error
+	seen := map[string]bool{}
+	controlPlanes := 0
+	for i := range s.Machines {
+		m := &s.Machines[i]
+		if m.Name == "" {
+			errs = append(errs, fmt.Errorf("machine %d has no name", i))
+		} else if seen[m.Name] {
+			errs = append(errs, fmt.Errorf("machine name %q is used twice: names are hostnames and Node names", m.Name))
+		}
+		seen[m.Name] = true
+		switch m.Role {
+		case ControlPlane:
+			controlPlanes++
+		case Worker:
+		default:
+			errs = append(errs, fmt.Errorf("machine %q: role %q is neither %q nor %q", m.Name, m.Role, ControlPlane, Worker))
+		}
+		if m.Talos == "" {
+			m.Talos = DefaultTalos
+		}
+		if !strings.HasPrefix(m.Talos, "v") {
+			m.Talos = "v" + m.Talos
+		}
+		if _, err := semver.ParseTolerant(m.Talos); err != nil {
+			errs = append(errs, fmt.Errorf("machine %q: Talos version %q: %w", m.Name, m.Talos, err))
+		}
+		if m.Kubernetes == "" {
+			m.Kubernetes = DefaultKubernetes
+		}
+		m.Kubernetes = strings.TrimPrefix(m.Kubernetes, "v")
+		if _, err := compatibility.ParseKubernetesVersion(m.Kubernetes); err != nil {
+			errs = append(errs, fmt.Errorf("machine %q: Kubernetes version %q: %w", m.Name, m.Kubernetes, err))
+		}
+		if m.Platform == "" {
+			m.Platform = DefaultPlatform
+		}
+		for _, svc := range m.ExtensionServices {
+			if !strings.HasPrefix(svc, "ext-") {
+				errs = append(errs, fmt.Errorf("machine %q: extension service %q must be named ext-<name>, as Talos names them", m.Name, svc))
+			}
+		}
+	}
+	if controlPlanes == 0 {
+		errs = append(errs, errors.New("a fleet needs at least one control plane: the control planes serve the Talos API endpoints"))
+	}
+	if len(s.Machines) > maxMachines {
+		errs = append(errs, fmt.Errorf("%d machines is more than the %d a fleet's address block holds", len(s.Machines), maxMachines))
+	}
+	if len(errs) > 0 {
+		return s, fmt.Errorf("invalid fleet spec: %w", errors.Join(errs...))
+	}
+	return s, nil
+}
