@@ -64,6 +64,8 @@ type Env struct {
 	env *envtest.Environment
 	dir string
 	seq atomic.Int64
+	// stops end what was started beside the API server, before it stops.
+	stops []func()
 }
 
 // Start starts kube-apiserver and etcd from $KUBEBUILDER_ASSETS and installs
@@ -114,6 +116,9 @@ func (e *Env) init() error {
 
 // Stop stops the API server and etcd and removes the files Start wrote.
 func (e *Env) Stop() error {
+	for _, stop := range e.stops {
+		stop()
+	}
 	if e.dir != "" {
 		_ = os.RemoveAll(e.dir)
 	}
@@ -121,14 +126,22 @@ func (e *Env) Stop() error {
 }
 
 // Main is TestMain's body for a package of integration tests: it starts an
-// Env into *env, runs the tests and stops it.
-func Main(m *testing.M, env **Env) int {
+// Env into *env, runs each setup (installing manifests, starting helpers),
+// runs the tests and stops it.
+func Main(m *testing.M, env **Env, setup ...func(*Env) error) int {
 	e, err := Start()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "testenv:", err)
 		return 1
 	}
 	*env = e
+	for _, s := range setup {
+		if err := s(e); err != nil {
+			fmt.Fprintln(os.Stderr, "testenv: setup:", err)
+			_ = e.Stop()
+			return 1
+		}
+	}
 	code := m.Run()
 	if err := e.Stop(); err != nil {
 		fmt.Fprintln(os.Stderr, "testenv: stop:", err)

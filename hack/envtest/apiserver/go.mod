@@ -1,11 +1,16 @@
-// Tool-only module: builds kube-apiserver for the integration tests. It is
-// separate from the main module so that maesh.dev/ichor never depends on
-// k8s.io/kubernetes, and from the etcd module because kubernetes pins etcd v3.7.
+// Tool-only module: builds kube-apiserver (and clusterrole-aggregator, the
+// ClusterRole aggregation controller of kube-controller-manager) for the
+// integration tests. It is separate from the main module so that
+// maesh.dev/ichor never depends on k8s.io/kubernetes, and from the etcd
+// module because kubernetes pins etcd v3.7.
 module maesh.dev/ichor/hack/envtest/apiserver
 
 go 1.26.5
 
-require k8s.io/kubernetes v1.37.2
+require (
+	k8s.io/client-go v0.37.2
+	k8s.io/kubernetes v1.37.2
+)
 
 require (
 	cel.dev/expr v0.25.1 // indirect
@@ -113,7 +118,6 @@ require (
 	k8s.io/apiextensions-apiserver v0.0.0 // indirect
 	k8s.io/apimachinery v0.37.2 // indirect
 	k8s.io/apiserver v0.37.2 // indirect
-	k8s.io/client-go v0.37.2 // indirect
 	k8s.io/cloud-provider v0.37.2 // indirect
 	k8s.io/cluster-bootstrap v0.0.0 // indirect
 	k8s.io/component-base v0.37.2 // indirect
