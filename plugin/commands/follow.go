@@ -166,28 +166,31 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	defer ticker.Stop()
 	for {
 		if done, err := outcome(op, retryBaseline, e.Name); done {
-			return errors.Join(d.close(op, err), err)
+			return finish(d, op, err)
 		}
 		select {
 		case ev, ok := <-w.ResultChan():
 			if !ok {
 				err := fmt.Errorf("watch of %s ended unexpectedly", ref(name))
-				return errors.Join(d.close(op, err), err)
+				return finish(d, op, err)
 			}
 			switch ev.Type {
 			case watch.Added, watch.Modified:
-				if next, ok := ev.Object.(*ichorv1.TalosOperation); ok && next.Name == name {
+				// The informer's first list repeats what the Get showed.
+				if next, ok := ev.Object.(*ichorv1.TalosOperation); ok && next.Name == name && next.ResourceVersion != op.ResourceVersion {
+					// Already shown once: any later state is a modification,
+					// even when a relist reports it as added.
 					op = next
-					if err := d.update(ev.Type, op); err != nil {
+					if err := d.update(watch.Modified, op); err != nil {
 						return err
 					}
 				}
 			case watch.Deleted:
 				err := fmt.Errorf("%s was deleted", ref(name))
-				return errors.Join(d.close(op, err), err)
+				return finish(d, op, err)
 			case watch.Error:
 				err := fmt.Errorf("watch %s: %v", ref(name), runtime.Object(ev.Object))
-				return errors.Join(d.close(op, err), err)
+				return finish(d, op, err)
 			}
 		case <-ticker.C:
 			if err := d.tick(); err != nil {
@@ -195,10 +198,10 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			}
 		case <-deadline:
 			err := exitError(ExitTimeout, "timed out after %s waiting for %s (%s)", ff.timeout, ref(name), phaseWords(op))
-			return errors.Join(d.close(op, err), err)
+			return finish(d, op, err)
 		case <-ctx.Done():
 			err := exitError(ExitInterrupted, "interrupted while following %s (%s)", ref(name), phaseWords(op))
-			return errors.Join(d.close(op, err), err)
+			return finish(d, op, err)
 		}
 	}
 }
@@ -239,6 +242,15 @@ func watchOperations(ctx context.Context, c client.WithWatch, ns, name string) w
 	}
 	_, _, w, _ := watchtools.NewIndexerInformerWatcher(lw, &ichorv1.TalosOperation{})
 	return w
+}
+
+// finish closes the display and returns the outcome. The outcome's error is
+// returned as it is, so kubectl's error printer sees its exit code.
+func finish(d display, op *ichorv1.TalosOperation, err error) error {
+	if cerr := d.close(op, err); cerr != nil && err == nil {
+		return cerr
+	}
+	return err
 }
 
 // summaryLine is the last line of a followed operation that ended well.

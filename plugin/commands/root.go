@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 	cmdutil "k8s.io/kubectl/pkg/cmd/util"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/internal/version"
@@ -185,6 +186,8 @@ type fatalExit struct {
 // Execute runs the plugin with os.Args-style args and returns the exit code.
 // Errors print the way kubectl prints them.
 func Execute(args []string, streams genericiooptions.IOStreams) int {
+	// controller-runtime's client logs through klog, like kubectl (-v).
+	ctrllog.SetLogger(klog.NewKlogr())
 	return NewEnv(args[0], streams).Execute(args[1:])
 }
 
