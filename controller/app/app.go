@@ -109,6 +109,9 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err := r.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the operation reconciler: %w", err)
 	}
+	if !o.LeaderElection {
+		return mgr, nil
+	}
 	if err := mgr.Add(&versionReporter{client: mgr.GetClient(), namespace: o.Namespace, version: o.Version, log: o.Log}); err != nil {
 		return nil, err
 	}

@@ -66,6 +66,10 @@ type Outcome struct {
 	From   string
 	// Next names the step to go to instead of the following one.
 	Next string
+	// Recheck, from a Wait step that is not done, asks to be checked again
+	// after this long: for what Kubernetes cannot announce (the Talos API
+	// answering again). Zero waits for the next Node event.
+	Recheck time.Duration
 }
 
 // Env is what a step may use. Everything in it is read-only; a step reports

@@ -202,7 +202,7 @@ func waitDownStep() Step {
 			return false, Outcome{Message: "waiting for the machine to go down"}, nil
 		}
 		if talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
-			return false, Outcome{Message: "waiting for the Talos API to stop answering"}, nil
+			return false, Outcome{Message: "waiting for the Talos API to stop answering", Recheck: time.Second}, nil
 		}
 		return true, Outcome{Message: "down"}, nil
 	}}

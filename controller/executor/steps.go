@@ -138,12 +138,14 @@ func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 		boot, err := talos.BootID(cctx, e.Talos, e.Address)
 		if err != nil {
 			if talos.Unreachable(err) {
-				return false, Outcome{Message: "waiting for the Talos API to answer"}, nil
+				return false, Outcome{Message: "waiting for the Talos API to answer", Recheck: time.Second}, nil
 			}
 			return false, Outcome{}, err
 		}
 		if boot == e.Machine.BootID {
-			return false, Outcome{Message: "waiting for the machine to reboot"}, nil
+			// The Node is Ready and Talos still reports the old boot: the
+			// reboot has not begun (Talos answers before it goes down).
+			return false, Outcome{Message: "waiting for the machine to reboot", Recheck: time.Second}, nil
 		}
 		if want == nil || want(e) == "" {
 			return true, Outcome{}, nil

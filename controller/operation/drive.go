@@ -444,15 +444,18 @@ func (t *turn) check(ctx context.Context, m *ichorv1.MachineStatus, step executo
 		t.finishStep(m, out)
 		return 0
 	}
-	if left := deadline.Sub(t.r.now()); left <= 0 {
+	left := deadline.Sub(t.r.now())
+	if left <= 0 {
 		err := executor.Fail(executor.FailureReason(step.Name), "%s did not finish within %s: %s", step.Name, timeout, orDash(out.Message))
 		observeStep(t.op.Spec.Kind, step.Name, timeout, err)
 		t.fail(m, step.Name, err)
 		return 0
-	} else {
-		m.Message = out.Message
-		return left
 	}
+	m.Message = out.Message
+	if out.Recheck > 0 && out.Recheck < left {
+		return out.Recheck
+	}
+	return left
 }
 
 func (t *turn) succeed(ctx context.Context) {

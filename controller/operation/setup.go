@@ -8,6 +8,7 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -49,7 +50,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName))).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
 		WatchesRawSource(source.Channel(r.runner.trigger, &handler.EnqueueRequestForObject{})).
-		WithOptions(controller.Options{MaxConcurrentReconciles: 4}).
+		// Several managers run in one process in tests (replicas, restarts).
+		WithOptions(controller.Options{MaxConcurrentReconciles: 4, SkipNameValidation: ptr.To(true)}).
 		Complete(r)
 }
 

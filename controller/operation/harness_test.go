@@ -1,0 +1,307 @@
+package operation_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+var env *testenv.Env
+
+func TestMain(m *testing.M) { os.Exit(testenv.Main(m, &env)) }
+
+// cluster is one test's world: a simulated fleet whose Nodes live in the
+// shared API server, a controller namespace with the fleet's talosconfig,
+// and a namespace for the test's operations. Tests run one after another;
+// each removes its Nodes and operations when it ends, so the next one's
+// controller sees only its own.
+type cluster struct {
+	t     *testing.T
+	fleet *sim.Fleet
+	// ns holds the operations; ctrlNS the lock, the leader Lease and the Secret.
+	ns, ctrlNS string
+}
+
+func newCluster(t *testing.T, spec sim.Spec) *cluster {
+	t.Helper()
+	ctx := context.Background()
+	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: env.Namespace(t)}
+	if spec.Name == "" {
+		spec.Name = "f" + strings.TrimPrefix(c.ns, "t")
+		spec.Name = spec.Name[:min(len(spec.Name), 12)]
+	}
+	spec.Logf = t.Logf
+	fleet, err := sim.Start(ctx, spec, env.Kube)
+	if err != nil {
+		t.Fatalf("start fleet: %v", err)
+	}
+	c.fleet = fleet
+	t.Cleanup(c.cleanup)
+	c.writeTalosconfig()
+	return c
+}
+
+func (c *cluster) writeTalosconfig() {
+	data, err := c.fleet.Talosconfig().Bytes()
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: ichorv1.TalosconfigSecret},
+		Data: map[string][]byte{ichorv1.TalosconfigKey: data}}
+	if err := env.Client.Create(context.Background(), secret); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// cleanup deletes the test's operations (finalizers and all) and the
+// fleet's Nodes, then stops the fleet.
+func (c *cluster) cleanup() {
+	ctx := context.Background()
+	var ops ichorv1.TalosOperationList
+	if err := env.Client.List(ctx, &ops, client.InNamespace(c.ns)); err == nil {
+		for i := range ops.Items {
+			op := &ops.Items[i]
+			_ = env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
+			_ = env.Client.Delete(ctx, op)
+		}
+	}
+	c.fleet.Stop()
+	_ = env.Client.DeleteAllOf(ctx, &corev1.Node{})
+	testenv.Eventually(c.t, 30*time.Second, "the fleet's Nodes to be gone", func(ctx context.Context) (bool, error) {
+		var nodes corev1.NodeList
+		err := env.Client.List(ctx, &nodes)
+		return err == nil && len(nodes.Items) == 0, err
+	})
+}
+
+// controller is one running ichor-controller.
+type controller struct {
+	cancel context.CancelFunc
+	done   chan error
+	steps  *stepCounter
+}
+
+type controllerOption func(*app.Options, **rest.Config)
+
+func withLeaderElection() controllerOption {
+	return func(o *app.Options, _ **rest.Config) {
+		o.LeaderElection = true
+		o.LeaseDuration, o.RenewDeadline, o.RetryPeriod = 2*time.Second, 1500*time.Millisecond, 200*time.Millisecond
+	}
+}
+
+// start runs a controller for this cluster, in-process, as ichor-controller would.
+func (c *cluster) start(opts ...controllerOption) *controller {
+	c.t.Helper()
+	steps := &stepCounter{counts: map[string]int{}}
+	o := app.Options{
+		Namespace: c.ctrlNS, MetricsAddr: "0", ProbeAddr: "0", Version: "v0.0.0-test",
+		Executors: countingRegistry(executor.Default(), steps),
+		Log:       zap.New(zap.WriteTo(testWriter{c.t}), zap.UseDevMode(true)),
+	}
+	cfg := rest.CopyConfig(env.Config)
+	for _, opt := range opts {
+		opt(&o, &cfg)
+	}
+	mgr, err := app.New(cfg, o)
+	if err != nil {
+		c.t.Fatalf("new controller: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ctl := &controller{cancel: cancel, done: make(chan error, 1), steps: steps}
+	go func() { ctl.done <- mgr.Start(ctx) }()
+	c.t.Cleanup(ctl.stop)
+	return ctl
+}
+
+// stop stops the controller and waits until it has.
+func (ctl *controller) stop() {
+	ctl.cancel()
+	<-ctl.done
+	ctl.done <- nil // later stops return at once
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+// stepCounter counts the steps a controller ran, to tell replicas apart.
+type stepCounter struct {
+	mu     sync.Mutex
+	counts map[string]int
+}
+
+func (s *stepCounter) add(key string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.counts[key]++
+}
+
+func (s *stepCounter) total() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, v := range s.counts {
+		n += v
+	}
+	return n
+}
+
+type counting struct {
+	executor.Executor
+	steps *stepCounter
+}
+
+func countingRegistry(r executor.Registry, steps *stepCounter) executor.Registry {
+	out := executor.Registry{}
+	for k, e := range r {
+		out[k] = counting{e, steps}
+	}
+	return out
+}
+
+func (c counting) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []executor.Step {
+	steps := c.Executor.Steps(op, m)
+	for i := range steps {
+		s := steps[i]
+		if s.Run != nil {
+			run := s.Run
+			steps[i].Run = func(ctx context.Context, e *executor.Env) (executor.Outcome, error) {
+				c.steps.add(e.Machine.Name + "/" + s.Name)
+				return run(ctx, e)
+			}
+		}
+	}
+	return steps
+}
+
+// LockIdentity forwards to the wrapped executor when it has one.
+func (c counting) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
+	if li, ok := c.Executor.(executor.LockIdentifier); ok {
+		return li.LockIdentity(op, role)
+	}
+	return ""
+}
+
+// create creates an operation in the test namespace.
+func (c *cluster) create(name string, spec ichorv1.TalosOperationSpec) *ichorv1.TalosOperation {
+	c.t.Helper()
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name}, Spec: spec}
+	if err := env.Client.Create(context.Background(), op); err != nil {
+		c.t.Fatalf("create %s: %v", name, err)
+	}
+	return op
+}
+
+func (c *cluster) get(name string) *ichorv1.TalosOperation {
+	c.t.Helper()
+	op := &ichorv1.TalosOperation{}
+	if err := env.Client.Get(context.Background(), client.ObjectKey{Namespace: c.ns, Name: name}, op); err != nil {
+		c.t.Fatalf("get %s: %v", name, err)
+	}
+	return op
+}
+
+// waitFor waits until the named operation satisfies cond.
+func (c *cluster) waitFor(name, what string, timeout time.Duration, cond func(op *ichorv1.TalosOperation) bool) *ichorv1.TalosOperation {
+	c.t.Helper()
+	var last *ichorv1.TalosOperation
+	defer func() {
+		if c.t.Failed() && last != nil {
+			c.t.Logf("%s last seen: phase %s reason %s lock %s/%s failure %q message %q", name, last.Status.Phase,
+				last.Status.Reason, last.Status.Lock, last.Status.LockHolder, last.Status.FailureReason, last.Status.Message)
+			for _, m := range last.Status.Machines {
+				c.t.Logf("  %s %s %s step=%s attempts=%d %q", m.Name, m.Role, m.Phase, m.Step, m.Attempts, m.Message)
+			}
+		}
+	}()
+	testenv.Eventually(c.t, timeout, name+" "+what, func(ctx context.Context) (bool, error) {
+		op := &ichorv1.TalosOperation{}
+		if err := env.Client.Get(ctx, client.ObjectKey{Namespace: c.ns, Name: name}, op); err != nil {
+			return false, err
+		}
+		last = op
+		return cond(op), nil
+	})
+	if last == nil {
+		c.t.Fatalf("%s: never read", name)
+	}
+	return last
+}
+
+func (c *cluster) waitSucceeded(name string, timeout time.Duration) *ichorv1.TalosOperation {
+	c.t.Helper()
+	op := c.waitFor(name, "to succeed", timeout, func(op *ichorv1.TalosOperation) bool {
+		if op.StepFailed() || op.Refused() {
+			c.t.Fatalf("%s stopped: phase %s, %s: %s", name, op.Status.Phase, op.Status.FailureReason, op.Status.Message)
+		}
+		return op.Succeeded()
+	})
+	ready := meta.FindStatusCondition(op.Status.Conditions, ichorv1.ConditionReady)
+	if ready == nil || ready.Status != metav1.ConditionTrue || ready.ObservedGeneration != op.Generation {
+		c.t.Errorf("%s succeeded but its Ready condition is %+v", name, ready)
+	}
+	return op
+}
+
+// annotate sets an annotation with the real kubectl, as an operator would.
+func (c *cluster) kubectl(args ...string) string {
+	c.t.Helper()
+	out, _, err := env.Kubectl(context.Background(), nil, append(args, "-n", c.ns)...)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return out
+}
+
+// patchSpec merge-patches an operation's spec, as `kubectl ichor pause` does.
+func (c *cluster) patchSpec(name, spec string) {
+	c.t.Helper()
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name}}
+	patch := fmt.Sprintf(`{"spec":%s}`, spec)
+	if err := env.Client.Patch(context.Background(), op, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+		c.t.Fatalf("patch %s: %v", name, err)
+	}
+}
+
+func (c *cluster) events(name string) []corev1.Event {
+	var evs corev1.EventList
+	if err := env.Client.List(context.Background(), &evs, client.InNamespace(c.ns)); err != nil {
+		c.t.Fatal(err)
+	}
+	var out []corev1.Event
+	for _, e := range evs.Items {
+		if e.InvolvedObject.Name == name {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+func notFound(err error) bool { return apierrors.IsNotFound(err) }
+
+func talosSpec(version string) ichorv1.TalosOperationSpec {
+	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindTalos, Talos: &ichorv1.TalosUpgrade{Version: version}}
+}

@@ -1,0 +1,179 @@
+package operation_test
+
+import (
+	"context"
+	"sort"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/sim"
+)
+
+func (c *cluster) patchNode(name, patch string) {
+	c.t.Helper()
+	n := &corev1.Node{}
+	n.Name = name
+	if err := env.Client.Patch(context.Background(), n, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+		c.t.Fatalf("patch node %s: %v", name, err)
+	}
+}
+
+// TestTalosUpgrade: control planes strictly one at a time and first, never
+// more than maxUnavailable workers down, every machine upgraded exactly
+// once, a held machine skipped, the order label honoured. Both upgrade
+// paths run: legacy MachineService.Upgrade from 1.12, and ImageService.Pull
+// plus LifecycleService.Upgrade plus Reboot within 1.13.
+func TestTalosUpgrade(t *testing.T) {
+	tests := []struct {
+		name, from, to string
+		legacy         bool
+	}{
+		{"legacy API from 1.12 to 1.13", "v1.12.4", "v1.13.7", true},
+		{"lifecycle API within 1.13", "v1.13.2", "v1.13.7", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := sim.Cluster("", 3, 5)
+			for i := range spec.Machines {
+				spec.Machines[i].Talos = tt.from
+			}
+			c := newCluster(t, spec)
+			w := func(i int) string { return c.fleet.Machines()[2+i].Name() }
+			held := w(5)
+			c.patchNode(held, `{"metadata":{"annotations":{"ichor.maesh.dev/upgrade-hold":"waiting for a disk"}}}`)
+			c.patchNode(w(4), `{"metadata":{"labels":{"ichor.maesh.dev/upgrade-order":"1"}}}`)
+			c.patchNode(w(3), `{"metadata":{"labels":{"ichor.maesh.dev/upgrade-order":"2"}}}`)
+			c.start()
+
+			op := talosSpec(tt.to)
+			op.MaxUnavailable = 2
+			c.create("upgrade", op)
+			got := c.waitSucceeded("upgrade", 2*time.Minute)
+
+			rec := c.fleet.Recorder()
+			cps, workers := rec.MaxDown()
+			if cps != 1 || workers != 2 {
+				t.Errorf("at most 1 control plane and 2 workers down at once; got %d and %d", cps, workers)
+			}
+			for _, m := range c.fleet.Machines() {
+				want, wantVersion := 1, tt.to
+				if m.Name() == held {
+					want, wantVersion = 0, tt.from
+				}
+				if n := rec.UpgradesApplied(m.Name()); n != want {
+					t.Errorf("%s: %d upgrades took effect, want %d", m.Name(), n, want)
+				}
+				if m.Version() != wantVersion {
+					t.Errorf("%s runs %s, want %s", m.Name(), m.Version(), wantVersion)
+				}
+				node := &corev1.Node{}
+				if err := env.Client.Get(context.Background(), client.ObjectKey{Name: m.Name()}, node); err != nil {
+					t.Fatal(err)
+				}
+				if v := machine.TalosVersion(node); v != wantVersion || node.Spec.Unschedulable {
+					t.Errorf("Node %s: Talos %s, unschedulable %v; want %s, schedulable", m.Name(), v, node.Spec.Unschedulable, wantVersion)
+				}
+			}
+			if tt.legacy {
+				if n := rec.Calls("", "LifecycleService/Upgrade"); n != 0 {
+					t.Errorf("1.12 hosts must use the legacy API; LifecycleService.Upgrade was called %d times", n)
+				}
+			} else if n := rec.Calls("", "MachineService/Upgrade"); n != 0 {
+				t.Errorf("1.13 hosts must use the lifecycle API; MachineService.Upgrade was called %d times", n)
+			}
+
+			// Control planes first and one at a time; workers after, in label order.
+			disruptive := map[sim.ActionKind]bool{sim.ActionReboot: true, sim.ActionUpgrade: true}
+			var order []string
+			var lastCPEnd time.Time
+			firstWorker := time.Time{}
+			for _, a := range rec.Actions("") {
+				if !disruptive[a.Kind] {
+					continue
+				}
+				order = append(order, a.Machine)
+				if c.fleet.Machine(a.Machine).Role() == sim.ControlPlane {
+					if a.End.After(lastCPEnd) {
+						lastCPEnd = a.End
+					}
+				} else if firstWorker.IsZero() {
+					firstWorker = a.Start
+				}
+			}
+			if !firstWorker.After(lastCPEnd) {
+				t.Errorf("a worker went down at %s, before the last control plane was back at %s", firstWorker, lastCPEnd)
+			}
+			if overlaps := rec.Overlaps(sim.ActionReboot, sim.ActionUpgrade); len(cpOverlaps(c, overlaps)) > 0 {
+				t.Errorf("control planes disrupted at once: %+v", cpOverlaps(c, overlaps))
+			}
+			wantOrder := []string{w(4), w(3)}
+			if len(order) < 5 || order[3] != wantOrder[0] || order[4] != wantOrder[1] {
+				t.Errorf("disruption order %v: the labelled workers %v must go first", order, wantOrder)
+			}
+
+			// Status: every machine done, the held one Skipped with why.
+			for _, m := range got.Status.Machines {
+				want := ichorv1.MachineSucceeded
+				if m.Name == held {
+					want = ichorv1.MachineSkipped
+					if m.Message != "held by annotation ichor.maesh.dev/upgrade-hold: waiting for a disk" {
+						t.Errorf("held machine's message: %q", m.Message)
+					}
+				}
+				if m.Phase != want {
+					t.Errorf("%s is %s, want %s", m.Name, m.Phase, want)
+				}
+				if m.Name != held && (m.From != tt.from || m.To != tt.to || m.StartedAt == nil || m.FinishedAt == nil) {
+					t.Errorf("%s: from %q to %q started %v finished %v", m.Name, m.From, m.To, m.StartedAt, m.FinishedAt)
+				}
+			}
+			if got.Status.Progress != "8/8" || got.Status.Lock != "" || got.Status.CompletionTime == nil {
+				t.Errorf("summary: progress %q lock %q completion %v", got.Status.Progress, got.Status.Lock, got.Status.CompletionTime)
+			}
+			names := []string{}
+			for _, m := range got.Status.Machines {
+				names = append(names, m.Name)
+			}
+			if !sort.SliceIsSorted(names[:3], func(i, j int) bool { return names[i] < names[j] }) || names[3] != w(4) || names[4] != w(3) {
+				t.Errorf("status order %v", names)
+			}
+		})
+	}
+}
+
+func cpOverlaps(c *cluster, os []sim.Overlap) []sim.Overlap {
+	var out []sim.Overlap
+	for _, o := range os {
+		if c.fleet.Machine(o.A.Machine).Role() == sim.ControlPlane || c.fleet.Machine(o.B.Machine).Role() == sim.ControlPlane {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// TestAlreadyOnTarget: a machine already on the target is recorded
+// Succeeded without being touched.
+func TestAlreadyOnTarget(t *testing.T) {
+	spec := sim.Cluster("", 1, 2)
+	spec.Machines[2].Talos = "v1.13.7"
+	c := newCluster(t, spec)
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	got := c.waitSucceeded("upgrade", time.Minute)
+	already := spec.Machines[2].Name
+	rec := c.fleet.Recorder()
+	if n := rec.Calls(already, "Reboot") + rec.Calls(already, "Upgrade"); n != 0 || len(rec.Actions(already)) != 0 {
+		t.Errorf("%s was touched: %d reboot/upgrade calls, actions %+v", already, n, rec.Actions(already))
+	}
+	for _, m := range got.Status.Machines {
+		if m.Name == already && (m.Phase != ichorv1.MachineSucceeded || m.Message != "already on v1.13.7") {
+			t.Errorf("%s: %s %q", m.Name, m.Phase, m.Message)
+		}
+	}
+}
