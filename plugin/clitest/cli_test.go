@@ -20,6 +20,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/internal/testenv"
 )
@@ -656,5 +657,34 @@ func TestKubectlCompletesThePlugin(t *testing.T) {
 	out = ok(t, "__complete", "ichor", "operation", "pause", "-n", ns, "")
 	if !strings.Contains(out, "running-op") {
 		t.Errorf("kubectl completes pause with\n%s", out)
+	}
+}
+
+// TestCompat prints the compatibility table the plugin embeds and checks
+// combinations against it.
+func TestCompat(t *testing.T) {
+	want, err := compat.Default()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got compat.Table
+	if err := json.Unmarshal([]byte(ok(t, "ichor", "compat", "-o", "json")), &got); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(&got, want) {
+		t.Errorf("compat -o json = %+v, want the embedded table %+v", got, want)
+	}
+	table := ok(t, "ichor", "compat")
+	if lines := strings.Count(table, "\n"); lines != len(want.Combinations)+1 {
+		t.Errorf("compat printed %d lines for %d combinations:\n%s", lines, len(want.Combinations), table)
+	}
+	newest := want.Newest()
+	if out := ok(t, "ichor", "compat", "--talos", newest.Latest.String()); !strings.Contains(out, newest.Minor.String()+"   "+newest.Latest.String()) ||
+		strings.Contains(out, want.Oldest().Latest.String()) {
+		t.Errorf("compat --talos %s:\n%s", newest.Latest, out)
+	}
+	r := kubectl(t, "", "ichor", "compat", "--talos", newest.Latest.String(), "--kubernetes", "v1.20.0")
+	if r.code != 1 || !strings.HasPrefix(r.err, "error: Kubernetes v1.20.0 with Talos "+newest.Latest.String()+" is not in Ichor's compatibility table") {
+		t.Errorf("unsupported combination: exit %d, stderr %q", r.code, r.err)
 	}
 }

@@ -169,7 +169,7 @@ refused it), 3 --timeout expired, 130 interrupted.`, e.Name),
 	}
 	add(groupOperations, newUpgradeCmd(e), newNodeCmd(e), newConfigCmd(e), newShutdownCmd(e), newRotateCmd(e), newRestoreCmd(e))
 	add(groupControl, newOperationCmd(e), newWatchCmd(e), newRetryCmd(e))
-	add(groupInspect, newLockCmd(e), newVersionCmd(e))
+	add(groupInspect, newLockCmd(e), newCompatCmd(e), newVersionCmd(e))
 	root.AddCommand(newCompletionCmd(e, root))
 	root.SetHelpCommandGroupID(groupInspect)
 	root.SetCompletionCommandGroupID(groupInspect)
