@@ -148,5 +148,10 @@ func rebooting(ctx context.Context, e *Env) bool {
 	if err != nil {
 		return talos.Unreachable(err)
 	}
-	return boot != e.Machine.BootID
+	if boot != e.Machine.BootID {
+		return true
+	}
+	// Talos answers for a while after it has started going down.
+	going, err := talos.GoingDown(ctx, e.Talos, e.Address)
+	return err == nil && going
 }

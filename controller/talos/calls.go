@@ -237,3 +237,17 @@ func Unreachable(err error) bool {
 	}
 	return false
 }
+
+// GoingDown reports whether the machine has begun a reboot, upgrade,
+// shutdown or reset sequence (COSI MachineStatus stage).
+func GoingDown(ctx context.Context, c *talosclient.Client, node string) (bool, error) {
+	ms, err := safe.StateGetByID[*runtime.MachineStatus](talosclient.WithNode(ctx, node), c.COSI, runtime.MachineStatusID)
+	if err != nil {
+		return false, fmt.Errorf("read machine status: %w", err)
+	}
+	switch ms.TypedSpec().Stage {
+	case runtime.MachineStageRebooting, runtime.MachineStageShuttingDown, runtime.MachineStageResetting, runtime.MachineStageUpgrading:
+		return true, nil
+	}
+	return false, nil
+}

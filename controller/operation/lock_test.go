@@ -1,0 +1,204 @@
+package operation_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/lock"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+func (c *cluster) lockHolder() lock.State {
+	c.t.Helper()
+	st, err := (&lock.Lock{Client: env.Client, Namespace: c.ctrlNS}).Get(context.Background())
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	return st
+}
+
+func rebootSpec(machine string) ichorv1.TalosOperationSpec {
+	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: machine, Action: ichorv1.NodeReboot}}
+}
+
+// TestOperationsTakeTurns: two operations written back to back with the
+// real kubectl take the cluster lock one after the other, whoever wrote
+// them; the second waits, Paused with ClusterLockHeld naming the first.
+func TestOperationsTakeTurns(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	// A slow enough first operation that the second sees it hold the lock.
+	w1 := c.fleet.Machines()[1].Name()
+	release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
+	c.start()
+	manifest := fmt.Sprintf(`apiVersion: ichor.maesh.dev/v1alpha1
+kind: TalosOperation
+metadata: {name: a-upgrade, namespace: %[1]s}
+spec: {kind: talos, talos: {version: v1.13.7}}
+---
+apiVersion: ichor.maesh.dev/v1alpha1
+kind: TalosOperation
+metadata: {name: b-reboot, namespace: %[1]s}
+spec: {kind: node, node: {machine: %[2]s, action: reboot}}
+`, c.ns, w1)
+	path := filepath.Join(t.TempDir(), "ops.yaml")
+	if err := os.WriteFile(path, []byte(manifest), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c.kubectl("apply", "-f", path)
+
+	first := ichorv1.OperationIdentity(c.ns, "a-upgrade")
+	b := c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Reason == ichorv1.ReasonClusterLockHeld
+	})
+	if b.Status.Phase != ichorv1.PhasePaused || b.Status.LockHolder != first || b.Status.Lock != ichorv1.LockWaiting {
+		t.Errorf("b-reboot: phase %s lock %s holder %q, want Paused, Waiting, %q", b.Status.Phase, b.Status.Lock, b.Status.LockHolder, first)
+	}
+	c.waitFor("a-upgrade", "to hang in its install", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == "install"
+	})
+	if h := c.lockHolder(); h.Holder != first {
+		t.Errorf("lock held by %q, want %q", h.Holder, first)
+	}
+	release()
+	a := c.waitSucceeded("a-upgrade", time.Minute)
+	b = c.waitSucceeded("b-reboot", time.Minute)
+	if b.Status.StartTime.Before(a.Status.CompletionTime) {
+		t.Errorf("b-reboot started at %s, before a-upgrade completed at %s", b.Status.StartTime, a.Status.CompletionTime)
+	}
+	if o := c.fleet.Recorder().Overlaps(); len(o) > 0 {
+		t.Errorf("disruptive actions overlapped: %+v", o)
+	}
+	if h := c.lockHolder(); h.Holder != "" {
+		t.Errorf("lock still held by %q after both finished", h.Holder)
+	}
+}
+
+func entryOf(op *ichorv1.TalosOperation, name string) *ichorv1.MachineStatus {
+	for i := range op.Status.Machines {
+		if op.Status.Machines[i].Name == name {
+			return &op.Status.Machines[i]
+		}
+	}
+	return nil
+}
+
+// TestTakeover: a holder paused on a failed step loses the lock to the next
+// operation; a holder an operator paused keeps it until it is resumed.
+func TestTakeover(t *testing.T) {
+	t.Run("paused on a failed step", func(t *testing.T) {
+		c := newCluster(t, sim.Cluster("", 1, 2))
+		w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+		c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultError, Method: "Upgrade", Code: codes.Internal})
+		c.start()
+		c.create("a-upgrade", talosSpec("v1.13.7"))
+		c.waitFor("a-upgrade", "to fail", time.Minute, (*ichorv1.TalosOperation).StepFailed)
+		// w1 stays cordoned (nothing is rolled back) and counts against the budget.
+		b := rebootSpec(w2)
+		b.MaxUnavailable = 2
+		c.create("b-reboot", b)
+		c.waitSucceeded("b-reboot", time.Minute)
+		st := c.lockHolder()
+		if want := ichorv1.OperationIdentity(c.ns, "a-upgrade") + " (paused on a failed step)"; st.TakenOverFrom != want {
+			t.Errorf("takeover note %q, want %q", st.TakenOverFrom, want)
+		}
+		if a := c.get("a-upgrade"); !a.StepFailed() || a.Status.Phase != ichorv1.PhasePaused {
+			t.Errorf("a-upgrade: %s %q", a.Status.Phase, a.Status.FailureReason)
+		}
+	})
+	t.Run("paused by an operator", func(t *testing.T) {
+		c := newCluster(t, sim.Cluster("", 1, 2))
+		w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+		release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
+		c.start()
+		c.create("a-upgrade", talosSpec("v1.13.7"))
+		c.waitFor("a-upgrade", "to reach w1's install", time.Minute, func(op *ichorv1.TalosOperation) bool {
+			m := entryOf(op, w1)
+			return m != nil && m.Step == "install"
+		})
+		c.patchSpec("a-upgrade", `{"paused":true}`)
+		c.create("b-reboot", rebootSpec(w2))
+		release()
+		a := c.waitFor("a-upgrade", "to pause between steps", time.Minute, func(op *ichorv1.TalosOperation) bool {
+			m := entryOf(op, w1)
+			return op.Status.Reason == ichorv1.ReasonPausedByOperator && m != nil && m.Step != "install"
+		})
+		if a.Status.Lock != ichorv1.LockHeld {
+			t.Errorf("an operator-paused operation must keep the lock; status.lock = %q", a.Status.Lock)
+		}
+		b := c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+			return op.Status.Reason == ichorv1.ReasonClusterLockHeld
+		})
+		if b.Status.LockHolder != ichorv1.OperationIdentity(c.ns, "a-upgrade") {
+			t.Errorf("b-reboot waits for %q", b.Status.LockHolder)
+		}
+		if n := c.fleet.Recorder().Calls(w2, "Reboot"); n != 0 {
+			t.Errorf("b-reboot rebooted %s while the lock was held: %d calls", w2, n)
+		}
+		c.patchSpec("a-upgrade", `{"paused":false}`)
+		a = c.waitSucceeded("a-upgrade", time.Minute)
+		b = c.waitSucceeded("b-reboot", time.Minute)
+		if b.Status.StartTime.Before(a.Status.CompletionTime) {
+			t.Errorf("b-reboot started before a-upgrade completed")
+		}
+	})
+	t.Run("deleted holder", func(t *testing.T) {
+		c := newCluster(t, sim.Cluster("", 1, 1))
+		w1 := c.fleet.Machines()[1].Name()
+		// A holder that no longer exists, as after a controller was removed mid-operation.
+		l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
+		if _, err := l.Acquire(context.Background(), ichorv1.OperationIdentity(c.ns, "gone")); err != nil {
+			t.Fatal(err)
+		}
+		c.start()
+		c.create("b-reboot", rebootSpec(w1))
+		c.waitSucceeded("b-reboot", time.Minute)
+		if st := c.lockHolder(); st.TakenOverFrom != ichorv1.OperationIdentity(c.ns, "gone")+" (deleted)" {
+			t.Errorf("takeover note %q", st.TakenOverFrom)
+		}
+	})
+}
+
+// TestDeleteWaitsForTheStep: deleting an operation mid-step keeps it (its
+// finalizer) until the step in flight settles, then lets go of the lock.
+func TestDeleteWaitsForTheStep(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w1 := c.fleet.Machines()[1].Name()
+	release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitFor("upgrade", "to hang in w1's install", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == "install"
+	})
+	op := c.get("upgrade")
+	if err := env.Client.Delete(context.Background(), op); err != nil {
+		t.Fatal(err)
+	}
+	c.waitFor("upgrade", "to be marked deleted", time.Minute, func(op *ichorv1.TalosOperation) bool { return !op.DeletionTimestamp.IsZero() })
+	if h := c.lockHolder(); h.Holder != ichorv1.OperationIdentity(c.ns, "upgrade") {
+		t.Fatalf("the lock was let go mid-step: holder %q", h.Holder)
+	}
+	release()
+	waitGone(t, c.ns, "upgrade")
+	if h := c.lockHolder(); h.Holder != "" {
+		t.Errorf("lock still held by %q", h.Holder)
+	}
+}
+
+func waitGone(t *testing.T, ns, name string) {
+	t.Helper()
+	testenv.Eventually(t, time.Minute, name+" to be gone", func(ctx context.Context) (bool, error) {
+		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &ichorv1.TalosOperation{})
+		return notFound(err), nil
+	})
+}
