@@ -360,3 +360,39 @@ func TestCompletionFiltersByVerb(t *testing.T) {
 		}
 	}
 }
+
+// TestConfirmation asks on a terminal before a kind that can take the
+// cluster down, creates it on yes, and refuses (exit 1, nothing created) on
+// anything else.
+func TestConfirmation(t *testing.T) {
+	tests := []struct {
+		answer  string
+		created bool
+		errOut  string
+	}{
+		{"y\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: "},
+		{"yes\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: "},
+		{"n\n", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted by user\n"},
+		{"\n", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted by user\n"},
+		{"", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted: no answer\n"},
+	}
+	for _, tt := range tests {
+		r := newFakeRun(t)
+		r.env.Streams.In = strings.NewReader(tt.answer)
+		r.env.IsTerminal = func(s any) bool { return s == r.env.Streams.In }
+		code := r.run("shutdown", "--name", "down")
+		list := &ichorv1.TalosOperationList{}
+		if err := r.client.List(context.Background(), list); err != nil {
+			t.Fatal(err)
+		}
+		if (len(list.Items) == 1) != tt.created || (code == 0) != tt.created {
+			t.Errorf("answer %q: exit %d, %d operations created", tt.answer, code, len(list.Items))
+		}
+		if r.errOut.String() != tt.errOut {
+			t.Errorf("answer %q: stderr %q, want %q", tt.answer, r.errOut.String(), tt.errOut)
+		}
+		if tt.created && r.out.String() != "talosoperation.ichor.maesh.dev/down created\n" {
+			t.Errorf("answer %q: stdout %q", tt.answer, r.out.String())
+		}
+	}
+}

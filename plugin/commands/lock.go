@@ -31,6 +31,8 @@ type LockInfo struct {
 	HolderPhase string `json:"holderPhase,omitempty"`
 	// Waiting are the operations waiting for the lock, in the order they get it.
 	Waiting []Waiter `json:"waiting"`
+	// WaitingUnknown says why the waiters could not be listed.
+	WaitingUnknown string `json:"waitingUnknown,omitempty"`
 }
 
 // Waiter is an operation waiting for the cluster lock.
@@ -69,7 +71,12 @@ func readLock(ctx context.Context, c client.Reader, controllerNS string) (*LockI
 		}
 	}
 	list := &ichorv1.TalosOperationList{}
-	if err := c.List(ctx, list); err != nil {
+	if err := c.List(ctx, list); apierrors.IsForbidden(err) {
+		// Waiters live in every namespace; one who may read only some still
+		// gets to see the holder.
+		info.WaitingUnknown = "not allowed to list TalosOperations in all namespaces"
+		return info, nil
+	} else if err != nil {
 		return nil, err
 	}
 	sortByCreation(list.Items)
@@ -94,6 +101,10 @@ func (l *LockInfo) print(w io.Writer, now time.Time, indent string) {
 		if l.Since != nil {
 			fmt.Fprintf(w, "%sSince:\t%s (%s ago)\n", indent, l.Since.UTC().Format(time.RFC3339), duration.HumanDuration(now.Sub(*l.Since)))
 		}
+	}
+	if l.WaitingUnknown != "" {
+		fmt.Fprintf(w, "%sWaiting:\tunknown (%s)\n", indent, l.WaitingUnknown)
+		return
 	}
 	if len(l.Waiting) == 0 {
 		fmt.Fprintf(w, "%sWaiting:\t<none>\n", indent)
