@@ -86,7 +86,8 @@ type MachineStatus struct {
 	// Step is the step in progress (or the one that failed).
 	// +optional
 	Step string `json:"step,omitempty"`
-	// Attempts counts how often the current step was started.
+	// Attempts counts how often work on the machine was started: 1, plus
+	// one for each retry of its failed step.
 	// +optional
 	Attempts int32 `json:"attempts,omitempty"`
 	// StartedAt is when work on the machine began.

@@ -141,7 +141,7 @@ func recordBootStep() Step {
 	return Step{Name: StepRecordBoot, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 		if err != nil {
-			return Outcome{}, fmt.Errorf("inspect %s: %w", e.Machine.Name, err)
+			return Outcome{}, err
 		}
 		return Outcome{BootID: f.BootID, From: f.Version}, nil
 	}}
@@ -153,7 +153,7 @@ func nodeRebootStep() Step {
 			return Outcome{}, nil
 		}
 		if err := talos.Reboot(ctx, e.Talos, e.Address, false); err != nil {
-			return Outcome{}, Fail("RebootFailed", "reboot %s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("RebootFailed", "%w", err)
 		}
 		return Outcome{Message: "rebooting"}, nil
 	}}
@@ -165,7 +165,7 @@ func shutdownStep() Step {
 			return Outcome{}, nil // already down
 		}
 		if err := talos.Shutdown(ctx, e.Talos, e.Address, false); err != nil {
-			return Outcome{}, Fail("ShutdownFailed", "shut down %s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("ShutdownFailed", "%w", err)
 		}
 		return Outcome{Message: "shutting down"}, nil
 	}}
@@ -188,7 +188,7 @@ func resetStep() Step {
 			}
 		}
 		if err := talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe); err != nil {
-			return Outcome{}, Fail("ResetFailed", "reset %s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("ResetFailed", "%w", err)
 		}
 		return Outcome{Message: "resetting"}, nil
 	}}
@@ -212,7 +212,7 @@ func restartServiceStep() Step {
 	return Step{Name: StepRestartService, Timeout: 5 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		svc := e.Op.Spec.Node.Service
 		if err := talos.RestartService(ctx, e.Talos, e.Address, svc); err != nil {
-			return Outcome{}, Fail("RestartFailed", "%s on %s: %w", svc, e.Machine.Name, err)
+			return Outcome{}, Fail("RestartFailed", "%w", err)
 		}
 		return Outcome{Message: svc + " restarted and healthy"}, nil
 	}}
@@ -221,7 +221,7 @@ func restartServiceStep() Step {
 func defragStep() Step {
 	return Step{Name: StepDefragment, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		if err := talos.Defragment(ctx, e.Talos, e.Address); err != nil {
-			return Outcome{}, Fail("DefragmentFailed", "%s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("DefragmentFailed", "%w", err)
 		}
 		return Outcome{Message: "etcd defragmented"}, nil
 	}}
@@ -231,17 +231,17 @@ func forfeitStep() Step {
 	return Step{Name: StepForfeit, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		leader, err := talos.IsLeader(ctx, e.Talos, e.Address)
 		if err != nil {
-			return Outcome{}, fmt.Errorf("%s: %w", e.Machine.Name, err)
+			return Outcome{}, err
 		}
 		if !leader {
 			return Outcome{Message: "not the etcd leader: nothing to forfeit"}, nil
 		}
 		to, err := talos.ForfeitLeadership(ctx, e.Talos, e.Address)
 		if err != nil {
-			return Outcome{}, Fail("ForfeitFailed", "%s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("ForfeitFailed", "%w", err)
 		}
 		if still, err := talos.IsLeader(ctx, e.Talos, e.Address); err != nil || still {
-			return Outcome{}, Fail("ForfeitFailed", "%s is still the etcd leader after forfeiting (err: %v)", e.Machine.Name, err)
+			return Outcome{}, Fail("ForfeitFailed", "still the etcd leader after forfeiting (err: %v)", err)
 		}
 		return Outcome{Message: "etcd leadership moved to " + to}, nil
 	}}

@@ -89,11 +89,11 @@ func drainStep() Step {
 		if d != nil && d.OnTimeout == ichorv1.DrainForce {
 			e.Log.Info("drain did not finish in time; deleting the remaining pods, ignoring PodDisruptionBudgets", "machine", e.Machine.Name, "err", err)
 			if err := runDrain(ctx, e, timeout, true); err != nil {
-				return Outcome{}, Fail("DrainFailed", "drain %s (forced): %w", e.Machine.Name, err)
+				return Outcome{}, Fail("DrainFailed", "forced drain: %w", err)
 			}
 			return Outcome{Message: "drain timed out; remaining pods deleted (onTimeout: force)"}, nil
 		}
-		return Outcome{}, Fail("DrainFailed", "drain %s: %w (set spec.drain.onTimeout: force to delete the remaining pods, or fix what blocks eviction and retry)", e.Machine.Name, err)
+		return Outcome{}, Fail("DrainFailed", "%w (set spec.drain.onTimeout: force to delete the remaining pods, or fix what blocks eviction and retry)", err)
 	}}
 }
 
@@ -156,8 +156,8 @@ func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 		}
 		if version != want(e) {
 			return false, Outcome{}, &StepError{Reason: "RolledBack", RetryFrom: retryFrom, Err: fmt.Errorf(
-				"%s came back on %s instead of %s: Talos rolled back to the previous boot slot (see `talosctl -n %s dmesg`); a retry installs again",
-				e.Machine.Name, version, want(e), e.Address)}
+				"came back on %s instead of %s: Talos rolled back to the previous boot slot (see `talosctl -n %s dmesg`); a retry installs again",
+				version, want(e), e.Address)}
 		}
 		return true, Outcome{}, nil
 	}}

@@ -84,7 +84,7 @@ func inspectStep() Step {
 	return Step{Name: StepInspect, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 		if err != nil {
-			return Outcome{}, fmt.Errorf("inspect %s: %w", e.Machine.Name, err)
+			return Outcome{}, err
 		}
 		t := e.Op.Spec.Talos
 		if f.Version == t.Version && (t.Schematic == "" || t.Schematic == f.Schematic) {
@@ -102,7 +102,7 @@ func installStep(legacy bool) Step {
 	return Step{Name: StepInstall, Timeout: 20 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 		if err != nil {
-			return Outcome{}, fmt.Errorf("install on %s: %w", e.Machine.Name, err)
+			return Outcome{}, err
 		}
 		t := e.Op.Spec.Talos
 		image := talos.InstallerImage(t.ImageRepository, f, t.Schematic, t.Version)
@@ -113,15 +113,15 @@ func installStep(legacy bool) Step {
 				return Outcome{Message: "rebooting"}, nil
 			}
 			if err := talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle); err != nil {
-				return Outcome{}, Fail("InstallFailed", "install %s on %s: %w", image, e.Machine.Name, err)
+				return Outcome{}, Fail("InstallFailed", "%w", err)
 			}
 			return Outcome{Message: "installed " + image + "; rebooting"}, nil
 		}
 		if err := talos.Pull(ctx, e.Talos, e.Address, image); err != nil {
-			return Outcome{}, Fail("PullFailed", "pull %s on %s: %w", image, e.Machine.Name, err)
+			return Outcome{}, Fail("PullFailed", "%w", err)
 		}
 		if err := talos.Install(ctx, e.Talos, e.Address, image); err != nil {
-			return Outcome{}, Fail("InstallFailed", "%s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("InstallFailed", "%w", err)
 		}
 		return Outcome{Message: "installed " + image}, nil
 	}}
@@ -134,7 +134,7 @@ func rebootStep() Step {
 		}
 		powercycle := e.Op.Spec.Talos.RebootMode == ichorv1.RebootModePowercycle
 		if err := talos.Reboot(ctx, e.Talos, e.Address, powercycle); err != nil {
-			return Outcome{}, Fail("RebootFailed", "reboot %s: %w", e.Machine.Name, err)
+			return Outcome{}, Fail("RebootFailed", "%w", err)
 		}
 		return Outcome{Message: "rebooting"}, nil
 	}}

@@ -177,7 +177,7 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 		t.event(corev1.EventTypeNormal, "MachineSucceeded", "%s: done (%s)", m.Name, orDash(m.Message))
 		return
 	}
-	m.Step, m.Attempts = next, 1
+	m.Step = next
 	t.event(corev1.EventTypeNormal, "Step", "%s: %s", m.Name, next)
 }
 
@@ -222,6 +222,8 @@ func (t *turn) fail(m *ichorv1.MachineStatus, step string, err error) {
 	t.event(corev1.EventTypeWarning, "StepFailed", "%s: %s failed: %v", m.Name, step, err)
 }
 
+const retryWaits = "; a retry is requested and runs when the operation is resumed"
+
 // handleFailure keeps an operation with a failed step paused until a retry
 // is requested, and acts on the request once. It returns whether the turn
 // goes on.
@@ -238,9 +240,9 @@ func (t *turn) handleFailure() bool {
 		return true
 	}
 	if !requested || op.Spec.Paused {
-		msg := st.Message
+		msg := strings.TrimSuffix(st.Message, retryWaits)
 		if requested {
-			msg += "; a retry is requested and runs when the operation is resumed"
+			msg += retryWaits
 		}
 		t.pause(ichorv1.ReasonStepFailed, msg)
 		return false

@@ -254,7 +254,7 @@ func (c *cluster) waitFor(name, what string, timeout time.Duration, cond func(op
 func (c *cluster) waitSucceeded(name string, timeout time.Duration) *ichorv1.TalosOperation {
 	c.t.Helper()
 	op := c.waitFor(name, "to succeed", timeout, func(op *ichorv1.TalosOperation) bool {
-		if op.StepFailed() || op.Refused() {
+		if op.Failed() {
 			c.t.Fatalf("%s stopped: phase %s, %s: %s", name, op.Status.Phase, op.Status.FailureReason, op.Status.Message)
 		}
 		return op.Succeeded()

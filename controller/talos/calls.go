@@ -134,7 +134,7 @@ func UpgradeLegacy(ctx context.Context, c *talosclient.Client, node, image strin
 	_, err := c.UpgradeWithOptions(talosclient.WithNode(ctx, node),
 		talosclient.WithUpgradeImage(image), talosclient.WithUpgradeRebootMode(mode))
 	if err != nil {
-		return fmt.Errorf("upgrade (legacy API) to %s: %w", image, err)
+		return fmt.Errorf("install %s (legacy MachineService.Upgrade): %w", image, err)
 	}
 	return nil
 }
