@@ -43,6 +43,14 @@ type cluster struct {
 
 func newCluster(t *testing.T, spec sim.Spec) *cluster {
 	t.Helper()
+	c := newClusterWithoutTalosconfig(t, spec)
+	c.writeTalosconfig()
+	return c
+}
+
+// newClusterWithoutTalosconfig is newCluster without the Secret.
+func newClusterWithoutTalosconfig(t *testing.T, spec sim.Spec) *cluster {
+	t.Helper()
 	ctx := context.Background()
 	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: env.Namespace(t)}
 	if spec.Name == "" {
@@ -56,7 +64,6 @@ func newCluster(t *testing.T, spec sim.Spec) *cluster {
 	}
 	c.fleet = fleet
 	t.Cleanup(c.cleanup)
-	c.writeTalosconfig()
 	return c
 }
 

@@ -1,0 +1,138 @@
+package operation_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// boundary is where an operation stands: each machine's phase, step and attempt.
+func boundary(op *ichorv1.TalosOperation) string {
+	var b strings.Builder
+	for _, m := range op.Status.Machines {
+		fmt.Fprintf(&b, "%s=%s/%s/%d ", m.Name, m.Phase, m.Step, m.Attempts)
+	}
+	return b.String()
+}
+
+// TestControllerRestarts kills the controller at every step boundary of a
+// Talos upgrade and starts a new one: the operation completes, and every
+// machine was upgraded, and rebooted, exactly once.
+func TestControllerRestarts(t *testing.T) {
+	for _, from := range []string{"v1.12.4", "v1.13.2"} {
+		t.Run("from "+from, func(t *testing.T) {
+			spec := sim.Cluster("", 1, 2)
+			for i := range spec.Machines {
+				spec.Machines[i].Talos = from
+			}
+			c := newCluster(t, spec)
+			c.create("upgrade", talosSpec("v1.13.7"))
+			seen, restarts := "", 0
+			for {
+				ctl := c.start()
+				op := c.waitFor("upgrade", "to cross a step boundary", time.Minute, func(op *ichorv1.TalosOperation) bool {
+					return op.Succeeded() || (len(op.Status.Machines) > 0 && boundary(op) != seen)
+				})
+				ctl.stop()
+				restarts++
+				if op.Failed() {
+					t.Fatalf("the operation failed after %d restarts: %s", restarts, op.Status.Message)
+				}
+				if op.Succeeded() {
+					break
+				}
+				seen = boundary(op)
+			}
+			rec := c.fleet.Recorder()
+			for _, m := range c.fleet.Machines() {
+				reboots := 0
+				for _, a := range rec.Actions(m.Name()) {
+					if a.Kind == sim.ActionReboot || a.Kind == sim.ActionUpgrade {
+						reboots++
+					}
+				}
+				if n := rec.UpgradesApplied(m.Name()); n != 1 || reboots != 1 || m.Version() != "v1.13.7" {
+					t.Errorf("%s: %d upgrades, %d reboots, on %s; want 1, 1, v1.13.7", m.Name(), n, reboots, m.Version())
+				}
+			}
+			// inspect, etcd-health (cp), cordon, drain, install, [reboot], wait, uncordon
+			if restarts < 15 {
+				t.Errorf("only %d restarts: the test did not stop the controller at each boundary", restarts)
+			}
+			t.Logf("%d controller restarts", restarts)
+		})
+	}
+}
+
+// TestLeaderElection: of two replicas only the leader acts; stopping it
+// hands over to the other, which finishes the next operation.
+func TestLeaderElection(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	a := c.start(withLeaderElection())
+	b := c.start(withLeaderElection())
+	c.create("one", rebootSpec(c.fleet.Machines()[1].Name()))
+	c.waitSucceeded("one", time.Minute)
+	leader, standby := a, b
+	if b.steps.total() > 0 {
+		leader, standby = b, a
+	}
+	if leader.steps.total() == 0 || standby.steps.total() != 0 {
+		t.Fatalf("steps run: leader %d, standby %d; exactly one replica must act", leader.steps.total(), standby.steps.total())
+	}
+	lease := leaderLease(t, c)
+	if lease.Annotations[ichorv1.VersionAnnotation] != "v0.0.0-test" {
+		t.Errorf("leader Lease version annotation %q", lease.Annotations[ichorv1.VersionAnnotation])
+	}
+
+	leader.stop()
+	c.create("two", rebootSpec(c.fleet.Machines()[2].Name()))
+	c.waitSucceeded("two", time.Minute)
+	if standby.steps.total() == 0 {
+		t.Fatalf("the new leader ran no step")
+	}
+}
+
+func leaderLease(t *testing.T, c *cluster) *coordinationv1.Lease {
+	t.Helper()
+	l := &coordinationv1.Lease{}
+	testenv.Eventually(t, 30*time.Second, "the leader Lease to carry the version", func(ctx context.Context) (bool, error) {
+		err := env.Client.Get(ctx, client.ObjectKey{Namespace: c.ctrlNS, Name: ichorv1.LeaderLeaseName}, l)
+		return err == nil && l.Annotations[ichorv1.VersionAnnotation] != "", err
+	})
+	return l
+}
+
+// TestTalosconfigMissing: without the Secret the operation says so in a
+// condition (no crash loop); once the Secret exists it runs.
+func TestTalosconfigMissing(t *testing.T) {
+	c := newClusterWithoutTalosconfig(t, sim.Cluster("", 1, 1))
+	c.start()
+	c.create("reboot", rebootSpec(c.fleet.Machines()[1].Name()))
+	op := c.waitFor("reboot", "to say the talosconfig is missing", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady") != nil
+	})
+	cond := meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady")
+	if cond.Reason != "TalosconfigMissing" || !strings.Contains(cond.Message, "kubectl -n "+c.ctrlNS+" create secret generic ichor-talosconfig") {
+		t.Errorf("condition %+v", cond)
+	}
+	c.writeTalosconfig()
+	op = c.waitSucceeded("reboot", time.Minute)
+	if meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady") != nil {
+		t.Errorf("the TalosAPIReady condition stayed after the Secret appeared")
+	}
+	var evs []corev1.Event = c.events("reboot")
+	if len(evs) == 0 {
+		t.Errorf("no Events recorded")
+	}
+}
