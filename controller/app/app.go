@@ -28,6 +28,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
+	"maesh.dev/ichor/controller/membership"
 	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/controller/talos"
 )
@@ -108,6 +109,10 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	}
 	if err := r.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the operation reconciler: %w", err)
+	}
+	m := &membership.Reconciler{Client: mgr.GetClient(), Lock: lk, Recorder: mgr.GetEventRecorder("ichor-controller"), Log: o.Log.WithName("membership")}
+	if err := m.SetupWithManager(mgr); err != nil {
+		return nil, fmt.Errorf("set up the membership reconciler: %w", err)
 	}
 	if !o.LeaderElection {
 		return mgr, nil

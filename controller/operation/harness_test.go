@@ -312,3 +312,5 @@ func notFound(err error) bool { return apierrors.IsNotFound(err) }
 func talosSpec(version string) ichorv1.TalosOperationSpec {
 	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindTalos, Talos: &ichorv1.TalosUpgrade{Version: version}}
 }
+
+func keyOfNode(name string) client.ObjectKey { return client.ObjectKey{Name: name} }
