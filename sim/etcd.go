@@ -25,8 +25,9 @@ type etcdCluster struct {
 	mu       sync.Mutex
 	members  []*etcdMember
 	leader   uint64
-	term     uint64
-	revision int64
+	term      uint64
+	raftIndex uint64
+	revision  int64 // of the key-value store: only writes move it
 	alarms   []alarm
 	// upgradeMu is Talos's etcd upgrade mutex, held by a legacy Upgrade
 	// call during its checks.
@@ -49,8 +50,9 @@ type EtcdState struct {
 	// Leader is the leading member's machine name, empty without quorum.
 	Leader string
 	Alarms []EtcdAlarm
-	// Revision grows with every change of the model; a recovery from a
-	// snapshot restores the snapshot's revision.
+	// Revision is the key-value store's revision: writes (Fleet.EtcdWrite,
+	// the legacy upgrade's mutex) move it; a recovery from a snapshot
+	// restores the snapshot's.
 	Revision int64
 }
 
@@ -116,7 +118,7 @@ func (e *etcdCluster) bootstrapAll(cps []*Machine) {
 func (e *etcdCluster) addLocked(m *Machine) *etcdMember {
 	mem := &etcdMember{id: e.newIDLocked(), machine: m}
 	e.members = append(e.members, mem)
-	e.revision++
+	e.raftIndex++
 	m.mu.Lock()
 	m.memberID, m.etcdData, m.etcdRunning = mem.id, true, true
 	m.mu.Unlock()
@@ -149,7 +151,7 @@ func (e *etcdCluster) update() {
 	if e.leader != 0 {
 		for _, m := range e.f.controlPlanes {
 			m.mu.Lock()
-			waiting := m.up && !m.etcdData
+			waiting := m.up && !m.etcdData && !m.etcdStopped
 			m.mu.Unlock()
 			if waiting {
 				e.addLocked(m)
@@ -183,14 +185,14 @@ func (e *etcdCluster) electLocked() {
 	if healthy*2 <= len(e.members) || len(e.members) == 0 {
 		if e.leader != 0 {
 			e.leader = 0
-			e.revision++
+			e.raftIndex++
 		}
 		return
 	}
 	if !leaderOK {
 		e.leader = first.id
 		e.term++
-		e.revision++
+		e.raftIndex++
 	}
 }
 
@@ -240,8 +242,8 @@ func (e *etcdCluster) status(m *Machine) (*machine.EtcdMemberStatus, error) {
 		DbSizeInUse:      m.etcdDBInUse,
 		Leader:           e.leader,
 		RaftTerm:         e.term,
-		RaftIndex:        uint64(e.revision),
-		RaftAppliedIndex: uint64(e.revision),
+		RaftIndex:        e.raftIndex,
+		RaftAppliedIndex: e.raftIndex,
 	}
 	if unhealthy {
 		st.Leader = 0
@@ -275,7 +277,7 @@ func (e *etcdCluster) disarm() ([]*machine.EtcdMemberAlarm, error) {
 	}
 	e.mu.Lock()
 	e.alarms = nil
-	e.revision++
+	e.raftIndex++
 	e.mu.Unlock()
 	return list, nil
 }
@@ -295,7 +297,7 @@ func (e *etcdCluster) raiseAlarm(m *Machine, typ machine.EtcdMemberAlarm_AlarmTy
 		}
 	}
 	e.alarms = append(e.alarms, alarm{member: id, typ: typ})
-	e.revision++
+	e.raftIndex++
 }
 
 func (e *etcdCluster) clearAlarm(m *Machine, typ machine.EtcdMemberAlarm_AlarmType) {
@@ -307,7 +309,7 @@ func (e *etcdCluster) clearAlarm(m *Machine, typ machine.EtcdMemberAlarm_AlarmTy
 	for i, a := range e.alarms {
 		if a.member == id && a.typ == typ {
 			e.alarms = append(e.alarms[:i], e.alarms[i+1:]...)
-			e.revision++
+			e.raftIndex++
 			return
 		}
 	}
@@ -332,7 +334,7 @@ func (e *etcdCluster) forfeit(m *Machine) (string, error) {
 		if mem.id != id && e.healthyLocked(mem) {
 			e.leader = mem.id
 			e.term++
-			e.revision++
+			e.raftIndex++
 			return mem.machine.Name(), nil
 		}
 	}
@@ -362,7 +364,7 @@ func (e *etcdCluster) remove(id uint64) error {
 	}
 	mem := e.members[idx]
 	e.members = append(e.members[:idx], e.members[idx+1:]...)
-	e.revision++
+	e.raftIndex++
 	kept := e.alarms[:0]
 	for _, a := range e.alarms {
 		if a.member != id {
@@ -391,7 +393,7 @@ func (e *etcdCluster) leave(m *Machine) error {
 		}
 	}
 	m.mu.Lock()
-	m.memberID, m.etcdRunning, m.etcdData = 0, false, false
+	m.memberID, m.etcdRunning, m.etcdData, m.etcdStopped = 0, false, false, true
 	m.mu.Unlock()
 	m.refreshEtcdService()
 	return nil
@@ -465,6 +467,7 @@ func (e *etcdCluster) bootstrap(m *Machine, from *snapshotData) {
 	}
 	e.members, e.leader, e.alarms = nil, 0, nil
 	e.addLocked(m)
+	e.revision = 1
 	if from != nil {
 		e.revision = from.Revision
 	}
@@ -500,6 +503,7 @@ func (e *etcdCluster) validateForUpgrade() error {
 	if e.leader == 0 {
 		return errors.New("failed to acquire upgrade mutex: error establishing etcd concurrency session: etcdserver: no leader")
 	}
+	e.revision += 2 // the mutex's key, put and deleted
 	if len(e.members) == 2 {
 		return fmt.Errorf("error validating etcd for upgrade: etcd member count(%d) is insufficient to maintain quorum if upgrade commences", len(e.members))
 	}
@@ -508,5 +512,17 @@ func (e *etcdCluster) validateForUpgrade() error {
 			return fmt.Errorf("error validating etcd for upgrade: etcd member %016x is not healthy; all members must be healthy to perform an upgrade: context deadline exceeded", mem.id)
 		}
 	}
+	return nil
+}
+
+// write is a client write: it needs a leader and moves the revision.
+func (e *etcdCluster) write() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := e.requireLeaderLocked(); err != nil {
+		return err
+	}
+	e.revision++
+	e.raftIndex++
 	return nil
 }

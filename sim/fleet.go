@@ -70,7 +70,7 @@ func Start(ctx context.Context, spec Spec, kube kubernetes.Interface) (*Fleet, e
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	f.etcd = newEtcd(f)
 	f.cfgs = &configs{f: f, cache: map[string]config.Provider{}}
-	if f.secrets, err = secrets.NewBundle(secrets.NewFixedClock(time.Now()), config.TalosVersionCurrent); err != nil {
+	if f.secrets, err = newSecrets(); err != nil {
 		return nil, fmt.Errorf("fleet secrets: %w", err)
 	}
 	if f.ca, err = x509.NewCertificateAuthorityFromCertificateAndKey(f.secrets.Certs.OS); err != nil {
@@ -150,6 +150,11 @@ func (f *Fleet) Recorder() *Recorder { return f.rec }
 
 // Etcd is a snapshot of the fleet's etcd model.
 func (f *Fleet) Etcd() EtcdState { return f.etcd.State() }
+
+// EtcdWrite writes a key to the simulated etcd, as a client would: it
+// fails without a leader and moves the revision (to tell a restored
+// snapshot from later data).
+func (f *Fleet) EtcdWrite() error { return f.etcd.write() }
 
 // Machine is the machine named name, or nil.
 func (f *Fleet) Machine(name string) *Machine { return f.byName[name] }
@@ -241,3 +246,31 @@ func sortedNames(ms []*Machine) []string {
 }
 
 var errStopped = errors.New("fleet stopped")
+
+// The Kubernetes and etcd PKI that configs embed takes an RSA key, slow to
+// make; fleets in a process share it. Each fleet has a Talos API CA of
+// its own, so clients of one fleet are strangers to another.
+var shared struct {
+	once   sync.Once
+	bundle *secrets.Bundle
+	err    error
+}
+
+func newSecrets() (*secrets.Bundle, error) {
+	shared.once.Do(func() {
+		shared.bundle, shared.err = secrets.NewBundle(secrets.NewClock(), config.TalosVersionCurrent)
+	})
+	if shared.err != nil {
+		return nil, shared.err
+	}
+	ca, err := secrets.NewTalosCA(time.Now())
+	if err != nil {
+		return nil, err
+	}
+	b := *shared.bundle
+	certs := *b.Certs
+	certs.OS = &x509.PEMEncodedCertificateAndKey{Crt: ca.CrtPEM, Key: ca.KeyPEM}
+	b.Certs = &certs
+	b.Clock = secrets.NewClock()
+	return &b, nil
+}

@@ -56,6 +56,7 @@ type Machine struct {
 	memberID        uint64
 	etcdRunning     bool
 	etcdData        bool
+	etcdStopped     bool // stopped by a leave: it joins again only after a boot
 	etcdDBSize      int64
 	etcdDBInUse     int64
 	recoverSnapshot []byte
@@ -354,6 +355,7 @@ func (m *Machine) boot(actor string) {
 	m.up, m.off = true, false
 	m.kubeletRunning = true
 	m.etcdRunning = m.etcdData && isMember
+	m.etcdStopped = false
 	open := m.openActions
 	m.openActions = nil
 	events, version := m.events, m.version

@@ -11,6 +11,8 @@ import (
 
 	"github.com/siderolabs/talos/pkg/machinery/client"
 	"github.com/siderolabs/talos/pkg/machinery/role"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -56,13 +58,20 @@ func talos(t testing.TB, f *sim.Fleet, roles ...role.Role) *client.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := client.New(context.Background(), client.WithConfig(cfg))
+	c, err := client.New(context.Background(), client.WithConfig(cfg), fastReconnect)
 	if err != nil {
 		t.Fatalf("talos client: %v", err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	return c
 }
+
+// fastReconnect makes the client redial a listener that came back within
+// milliseconds (gRPC's default backoff starts at a second).
+var fastReconnect = client.WithGRPCDialOptions(grpc.WithConnectParams(grpc.ConnectParams{
+	Backoff:           backoff.Config{BaseDelay: 5 * time.Millisecond, Multiplier: 1.6, MaxDelay: 50 * time.Millisecond},
+	MinConnectTimeout: 5 * time.Second,
+}))
 
 func on(m *sim.Machine) context.Context {
 	return client.WithNode(context.Background(), m.Address())
