@@ -21,7 +21,6 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/resources/v1alpha1"
 	"github.com/siderolabs/talos/pkg/machinery/role"
 	"google.golang.org/grpc/codes"
-
 )
 
 // TestRouting: a call goes to the machine its node metadata names (by

@@ -22,13 +22,13 @@ import (
 type etcdCluster struct {
 	f *Fleet
 
-	mu       sync.Mutex
-	members  []*etcdMember
-	leader   uint64
+	mu        sync.Mutex
+	members   []*etcdMember
+	leader    uint64
 	term      uint64
 	raftIndex uint64
 	revision  int64 // of the key-value store: only writes move it
-	alarms   []alarm
+	alarms    []alarm
 	// upgradeMu is Talos's etcd upgrade mutex, held by a legacy Upgrade
 	// call during its checks.
 	upgradeMu sync.Mutex

@@ -465,7 +465,9 @@ func TestApplyConfiguration(t *testing.T) {
 		return c.ApplyConfiguration(nctx, req)
 	}
 	kubelet := func(v string) func(*v1alpha1.Config) {
-		return func(cfg *v1alpha1.Config) { cfg.MachineConfig.MachineKubelet.KubeletImage = "ghcr.io/siderolabs/kubelet:v" + v }
+		return func(cfg *v1alpha1.Config) {
+			cfg.MachineConfig.MachineKubelet.KubeletImage = "ghcr.io/siderolabs/kubelet:v" + v
+		}
 	}
 	env := func(cfg *v1alpha1.Config) { cfg.MachineConfig.MachineEnv = map[string]string{"SIM": "1"} }
 
