@@ -51,8 +51,14 @@ func newCluster(t *testing.T, spec sim.Spec) *cluster {
 // newClusterWithoutTalosconfig is newCluster without the Secret.
 func newClusterWithoutTalosconfig(t *testing.T, spec sim.Spec) *cluster {
 	t.Helper()
+	return newClusterIn(t, spec, env.Namespace(t))
+}
+
+// newClusterIn is newCluster without the Secret, with the controller in ctrlNS.
+func newClusterIn(t *testing.T, spec sim.Spec, ctrlNS string) *cluster {
+	t.Helper()
 	ctx := context.Background()
-	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: env.Namespace(t)}
+	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: ctrlNS}
 	if spec.Name == "" {
 		spec.Name = "f" + strings.TrimPrefix(c.ns, "t")
 		spec.Name = spec.Name[:min(len(spec.Name), 12)]
@@ -108,6 +114,17 @@ type controller struct {
 }
 
 type controllerOption func(*app.Options, **rest.Config)
+
+// as runs the controller as another user (its ServiceAccount, say).
+func as(user string, groups ...string) controllerOption {
+	return func(_ *app.Options, cfg **rest.Config) {
+		uc, err := env.User(user, groups...)
+		if err != nil {
+			panic(err)
+		}
+		*cfg = uc
+	}
+}
 
 func withLeaderElection() controllerOption {
 	return func(o *app.Options, _ **rest.Config) {
@@ -314,3 +331,5 @@ func talosSpec(version string) ichorv1.TalosOperationSpec {
 }
 
 func keyOfNode(name string) client.ObjectKey { return client.ObjectKey{Name: name} }
+
+func keyOf(ns, name string) client.ObjectKey { return client.ObjectKey{Namespace: ns, Name: name} }

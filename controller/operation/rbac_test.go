@@ -1,0 +1,62 @@
+package operation_test
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/sim"
+)
+
+const controllerSA = "system:serviceaccount:ichor-system:ichor-controller"
+
+// TestControllerRBAC runs the controller as its ServiceAccount with exactly
+// the RBAC of manifests/, through a Talos upgrade that drains a pod and a
+// node action: least privilege is enough. And it reads no other Secret.
+func TestControllerRBAC(t *testing.T) {
+	ctx := context.Background()
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+		t.Fatal(err)
+	}
+	c := newClusterIn(t, sim.Cluster("", 1, 2), ichorv1.DefaultNamespace)
+	c.writeTalosconfig()
+	t.Cleanup(func() {
+		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
+	})
+	w1 := c.fleet.Machines()[1].Name()
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "app"}, Spec: corev1.PodSpec{
+		NodeName: w1, Containers: []corev1.Container{{Name: "app", Image: "app"}}}}
+	if err := env.Client.Create(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	c.start(as(controllerSA, "system:serviceaccounts", "system:serviceaccounts:ichor-system", "system:authenticated"), withLeaderElection())
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitSucceeded("upgrade", 2*time.Minute)
+	if err := env.Client.Get(ctx, keyOf(c.ns, "app"), &corev1.Pod{}); !notFound(err) {
+		t.Errorf("the pod on %s was not drained: %v", w1, err)
+	}
+
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"get", "secrets", "-n", "kube-system"}, "no"},
+		{[]string{"get", "secrets/other", "-n", ichorv1.DefaultNamespace}, "no"},
+		{[]string{"get", "secrets/" + ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"create", "leases", "-n", "kube-system"}, "no"},
+		{[]string{"update", "leases", "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"delete", "nodes"}, "no"},
+		{[]string{"create", "talosoperations"}, "no"},
+	} {
+		out, _, _ := env.Kubectl(ctx, nil, append([]string{"auth", "can-i", "--as", controllerSA}, tt.args...)...)
+		if got := strings.TrimSpace(out); got != tt.want {
+			t.Errorf("can the controller %s? %q, want %q", strings.Join(tt.args, " "), got, tt.want)
+		}
+	}
+}
