@@ -1,0 +1,148 @@
+package operation_test
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// TestPreflightRefuses: an upgrade that preflight refuses is Refused with
+// the failed check in its conditions and a Warning Event, takes no lock and
+// touches no machine.
+func TestPreflightRefuses(t *testing.T) {
+	tests := []struct {
+		name, talos, kubernetes, target string
+		check, want                     string
+	}{
+		{"downgrade", "v1.12.4", "1.35.0", "v1.12.2", "TalosVersionNewer", "v1.12.2 is not newer"},
+		{"skipped minor", "v1.11.6", "1.33.0", "v1.13.7", "TalosMinorSkip", "v1.12.7, then v1.13.7"},
+		{"pre-release", "v1.12.4", "1.35.0", "v1.13.8-beta.0", "TalosVersionFinal", "pre-release"},
+		{"unsupported kubernetes", "v1.12.4", "1.30.0", "v1.13.7", "TalosKubernetesSupported", "1.30"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := sim.Cluster("", 1, 1)
+			for i := range spec.Machines {
+				spec.Machines[i].Talos, spec.Machines[i].Kubernetes = tt.talos, tt.kubernetes
+			}
+			c := newCluster(t, spec)
+			c.start()
+			c.create("upgrade", talosSpec(tt.target))
+			op := c.waitFor("upgrade", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
+			cond := meta.FindStatusCondition(op.Status.Conditions, tt.check)
+			if cond == nil || cond.Status != metav1.ConditionFalse || !strings.Contains(cond.Message, tt.want) {
+				t.Errorf("condition %s = %+v, want a message with %q; all: %+v", tt.check, cond, tt.want, op.Status.Conditions)
+			}
+			if !strings.Contains(op.Status.Message, "set spec.override") {
+				t.Errorf("the message does not say how to run it anyway: %q", op.Status.Message)
+			}
+			if n := c.fleet.Recorder().Calls("", "*"); n != 0 {
+				t.Errorf("a refused operation made %d Talos API calls: %v", n, c.fleet.Recorder().CallCounts())
+			}
+			if h := c.lockHolder(); h.Holder != "" {
+				t.Errorf("a refused operation holds the lock: %q", h.Holder)
+			}
+			waitEvent(t, c, "upgrade", corev1.EventTypeWarning, "PreflightRefused")
+		})
+	}
+}
+
+func waitEvent(t *testing.T, c *cluster, name, eventType, reason string) corev1.Event {
+	t.Helper()
+	var found corev1.Event
+	testenv.Eventually(t, 30*time.Second, "a "+eventType+" Event "+reason, func(context.Context) (bool, error) {
+		for _, e := range c.events(name) {
+			if e.Type == eventType && e.Reason == reason {
+				found = e
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	return found
+}
+
+// TestOverride: an ichor-admin's spec.override runs a refused upgrade and
+// leaves one PreflightOverridden Warning Event naming the bypassed check; an
+// ichor-operator may not set it.
+func TestOverride(t *testing.T) {
+	ctx := context.Background()
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+		t.Fatal(err)
+	}
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	admin := userBoundTo(t, c.ns, "ichor-admin")
+	operator := userBoundTo(t, c.ns, "ichor-operator")
+	c.start()
+
+	downgrade := talosSpec("v1.12.2")
+	downgrade.Override = true
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "by-operator"}, Spec: downgrade}
+	testenv.Eventually(t, 30*time.Second, "the operator to be denied override", func(ctx context.Context) (bool, error) {
+		err := operator.Create(ctx, op.DeepCopy())
+		if err == nil {
+			return false, nil
+		}
+		return strings.Contains(err.Error(), `needs verb "override" on "talosoperations"`), err
+	})
+
+	op.Name = "by-admin"
+	if err := admin.Create(ctx, op); err != nil {
+		t.Fatalf("an ichor-admin may set override: %v", err)
+	}
+	got := c.waitSucceeded("by-admin", time.Minute)
+	if cond := meta.FindStatusCondition(got.Status.Conditions, "TalosVersionNewer"); cond == nil || cond.Reason != "Overridden" {
+		t.Errorf("the bypassed check is not recorded: %+v", cond)
+	}
+	ev := waitEvent(t, c, "by-admin", corev1.EventTypeWarning, "PreflightOverridden")
+	if !strings.Contains(ev.Message, "TalosVersionNewer") {
+		t.Errorf("the Event does not name the bypassed check: %q", ev.Message)
+	}
+	n := 0
+	for _, e := range c.events("by-admin") {
+		if e.Reason == "PreflightOverridden" {
+			n += max(1, int(e.Count))
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d PreflightOverridden Events, want exactly one", n)
+	}
+	for _, m := range c.fleet.Machines() {
+		if m.Version() != "v1.12.2" {
+			t.Errorf("%s runs %s after the overridden downgrade", m.Name(), m.Version())
+		}
+	}
+}
+
+// userBoundTo returns a client for a new user bound to a ClusterRole in ns.
+func userBoundTo(t *testing.T, ns, role string) client.Client {
+	t.Helper()
+	user := ns + "-" + role
+	rb := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: user},
+		RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+		Subjects: []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}}}
+	if err := env.Client.Create(context.Background(), rb); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := env.User(user)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl, err := client.New(cfg, client.Options{Scheme: testenv.Scheme})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cl
+}
