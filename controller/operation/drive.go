@@ -469,8 +469,9 @@ func (t *turn) succeed(ctx context.Context) {
 	t.event(corev1.EventTypeNormal, "Succeeded", "%s", st.Message)
 }
 
-// launch starts the Run steps that persisted status records as in progress
-// and that are not running or done already.
+// launch starts the Run steps that persisted status (as read, or as this
+// turn wrote it) records as in progress and that are not running or done
+// already.
 func (t *turn) launch(ctx context.Context) {
 	if !t.canLaunch {
 		return

@@ -211,6 +211,9 @@ func (t *turn) write(ctx context.Context) error {
 			return fmt.Errorf("write status: %w", err)
 		}
 		statusWrites.Inc()
+		// What was just written is persisted: steps it records may start
+		// now, without waiting for the write to come back through the watch.
+		t.persisted = t.op.DeepCopy()
 	}
 	for _, e := range t.events {
 		e()

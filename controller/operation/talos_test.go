@@ -43,6 +43,8 @@ func TestTalosUpgrade(t *testing.T) {
 			for i := range spec.Machines {
 				spec.Machines[i].Talos = tt.from
 			}
+			// Long enough that the two workers of a batch are down together.
+			spec.Durations.Reboot = 300 * time.Millisecond
 			c := newCluster(t, spec)
 			w := func(i int) string { return c.fleet.Machines()[2+i].Name() }
 			held := w(5)
