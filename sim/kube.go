@@ -199,8 +199,8 @@ func (k *kube) nodeDown(m *Machine) {
 	}
 }
 
-// nodeUp marks the Node Ready with the running versions, uncordons it if
-// Talos cordoned it, and finishes the pods deleted while it was down.
+// nodeUp marks the Node Ready with the running versions and uncordons it
+// if Talos cordoned it.
 func (k *kube) nodeUp(m *Machine) {
 	if k == nil {
 		return
@@ -212,6 +212,13 @@ func (k *kube) nodeUp(m *Machine) {
 	}
 	if err := k.uncordon(ctx, m); err != nil {
 		k.f.logf("%s: uncordon: %v", m.Name(), err)
+	}
+}
+
+// resumePods finishes the pods deleted while the machine was down.
+func (k *kube) resumePods(m *Machine) {
+	if k == nil {
+		return
 	}
 	for _, pod := range k.podsOn(m) {
 		if pod.DeletionTimestamp != nil {

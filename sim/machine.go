@@ -352,10 +352,11 @@ func (m *Machine) boot(actor string) {
 	m.events = newEventLog()
 	m.bootCtx, m.bootCancel = context.WithCancel(m.f.ctx)
 	m.stage = runtime.MachineStageRunning
-	m.up, m.off = true, false
+	m.off = false
 	m.kubeletRunning = true
 	m.etcdRunning = m.etcdData && isMember
 	m.etcdStopped = false
+	m.seq = nil // the sequence that rebooted the machine ended with the old boot
 	open := m.openActions
 	m.openActions = nil
 	events, version := m.events, m.version
@@ -373,12 +374,18 @@ func (m *Machine) boot(actor string) {
 			m.f.logf("%s: %v", m.Name(), err)
 		}
 	}
-	m.f.etcd.update()
 	m.f.kube.nodeUp(m)
+	// Back in one step: from here on it answers, and the recorder counts it
+	// as up, so a controller that sees it answer never sees it "down".
+	m.mu.Lock()
+	m.up = true
 	m.f.rec.setDown(m.Name(), m.spec.Role, false)
 	for _, i := range open {
 		m.f.rec.finish(i)
 	}
+	m.mu.Unlock()
+	m.f.etcd.update()
+	m.f.kube.resumePods(m)
 	if actor != "" || applied {
 		m.f.logf("%s: up on %s", m.Name(), version)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/siderolabs/talos/pkg/machinery/client"
+	clientconfig "github.com/siderolabs/talos/pkg/machinery/client/config"
 	"github.com/siderolabs/talos/pkg/machinery/role"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
@@ -141,4 +142,8 @@ func waitRebooted(t testing.TB, m *sim.Machine, before string) {
 	testenv.Eventually(t, 30*time.Second, m.Name()+" back with a new boot ID", func(context.Context) (bool, error) {
 		return !m.Down() && m.BootID() != before, nil
 	})
+}
+
+func clientFor(cfg *clientconfig.Config) (*client.Client, error) {
+	return client.New(context.Background(), client.WithConfig(cfg), fastReconnect)
 }
