@@ -1,2 +1,174 @@
-// Package sim starts fleets of simulated Talos machines.
+// Package sim starts fleets of simulated Talos machines that the real
+// machinery client talks to exactly as it would to a small real cluster:
+// the Talos gRPC API over mutual TLS, routed by node metadata as apid
+// routes it, with each machine owning its Kubernetes Node.
+//
+// # Starting a fleet
+//
+//	spec := sim.Cluster("prod", 3, 5) // prod-cp-1..3, prod-w-1..5 on DefaultTalos
+//	spec.Machines[4].Talos = "v1.13.0" // vary any machine before Start
+//	f, err := sim.Start(ctx, spec, kube) // kube: a kubernetes.Interface, or nil
+//	defer f.Stop()
+//	c, err := client.New(ctx, client.WithConfig(f.Talosconfig()))
+//	resp, err := c.Version(client.WithNode(ctx, f.Machine("prod-w-1").Address()))
+//
+// Spec lists the machines (name, role, Talos and Kubernetes versions,
+// schematic ID, platform, secure boot, extension services) and the step
+// Durations, which default to milliseconds (DefaultDurations); the sandbox
+// sets seconds. Spec.Unbootstrapped starts etcd empty, waiting for
+// Bootstrap. Spec.Logf receives a line per notable event.
+//
+// # Addresses and endpoints
+//
+// A fleet takes a block 127.F.0.0/16 of its own (F differs between the
+// fleets of a process and starts at random, so two test binaries rarely
+// share one). Machine i gets 127.F.i/250.i%250+1: its Talos node address
+// and its Node's InternalIP. Every control plane listens on its own address
+// with port 0, picked once and kept across reboots; Fleet.Endpoints are
+// those listeners and the talosconfig's endpoints. Workers do not listen:
+// they are reached through a control plane with client.WithNode. Nothing
+// binds or dials outside 127.0.0.0/8.
+//
+// # Certificates and roles
+//
+// Each fleet has its own Talos API CA. Fleet.Talosconfig is an os:admin
+// talosconfig; Fleet.ClientConfig(roles...) mints one for other roles
+// (os:reader, os:operator, os:etcd:backup...). Server certificates carry the
+// control plane's IP as SAN; TLS 1.3 with client certificates is required.
+// The role is the client certificate's Organization, checked per method with
+// Talos's own table (machined's authz rules: Reboot, Shutdown,
+// ServiceRestart, EtcdDefragment and ImageService.Pull need os:operator;
+// Upgrade, Reset, the etcd membership calls, Bootstrap, EtcdRecover,
+// ApplyConfiguration, Read and LifecycleService need os:admin; Version,
+// Events, EtcdStatus, EtcdMemberList, EtcdAlarmList and COSI reads take
+// os:reader; EtcdSnapshot takes os:etcd:backup). A wrong role gets
+// PermissionDenied. COSI is read-only through the API, and the sensitive
+// MachineConfig needs os:admin.
+//
+// # Routing
+//
+// node metadata (client.WithNode, an address or a hostname) sends a call to
+// that machine; nodes metadata (client.WithNodes) fans out for
+// MachineService methods and aggregates, each message's Metadata.Hostname
+// set and a failing node reported in Metadata.Error, so the client's
+// FilterMessages returns a *client.NodeError for it. Fan-out of
+// LifecycleService, ImageService and COSI is InvalidArgument, as in apid. A
+// call without metadata is answered by the endpoint's own machine. A machine
+// that is down answers Unavailable (connection refused); a control plane
+// that is down closes its listener, so its endpoint refuses connections.
+//
+// # What the machines do
+//
+// Version; Hostname; Read of /proc/sys/kernel/random/boot_id; Events (a hello
+// event first, then SequenceEvent, TaskEvent "stopAllServices",
+// MachineStatusEvent and friends of the current boot, with tail_events,
+// tail_id, tail_seconds and actor filtering, so EventsWatchV2 works); Reboot
+// in every mode; Shutdown (force skips the drain; the machine stays off until
+// Machine.PowerOn); Reset (graceful drains and leaves etcd; wiping EPHEMERAL,
+// or every system partition, empties the etcd data; with reboot it comes
+// back, without it stays off; Talos's refusals of bad wipe requests);
+// ServiceList, ServiceRestart (kubelet and ext-* services only: other
+// services are refused as Talos refuses them, unknown ones are "not
+// defined"); the legacy MachineService.Upgrade on every version (pull and
+// checks before it answers, the etcd checks on a control plane unless force
+// or preserve, then cordon, drain, install, reboot by itself; stage reboots
+// first); ImageService.Pull and LifecycleService.Upgrade from 1.13.0-alpha.1
+// and 1.13.0-beta.0 (Unimplemented below, as old nodes answer): the image
+// must be pulled into the same containerd instance, the install streams
+// messages, then an exit code (1 when the installer's preflight refuses the
+// host version), then EOF, and does not reboot; ImagePull (deprecated);
+// ApplyConfiguration in every mode, the zero value being REBOOT (Validate,
+// the Kubernetes images against the running Talos version, Talos's
+// CanApplyImmediate for NO_REBOOT and TRY, AUTO choosing, STAGED at the next
+// boot, TRY reverting after its timeout; a kubelet image change restarts the
+// kubelet and the Node reports the new version); EtcdStatus, EtcdMemberList,
+// EtcdAlarmList, EtcdAlarmDisarm, EtcdDefragment, EtcdForfeitLeadership,
+// EtcdLeaveCluster, EtcdRemoveMemberByID, EtcdSnapshot, EtcdRecover and
+// Bootstrap (Unimplemented on workers); GenerateClientConfiguration; COSI
+// Get, List and Watch of MachineConfig (v1alpha1 and persistent),
+// MachineType, MachineStatus, Version, ExtensionStatus (the "schematic"
+// entry carries the schematic ID; none without a schematic), SecurityState,
+// Service (apid, containerd, cri, machined, udevd, kubelet, ext-*, and etcd
+// and trustd on control planes), Nodename and the local etcd Member.
+//
+// An upgrade installs to the inactive slot: the version, schematic and
+// installer image change at the next boot, which also brings a new boot ID.
+// The simulated registry has every installer tagged with a version
+// (factory.talos.dev/<platform>-installer[-secureboot]/<schematic>:<v>, the
+// legacy factory.talos.dev/installer/..., ghcr.io/siderolabs/installer:<v>);
+// anything else is not found.
+//
+// Talos cordons a Node itself while upgrading (legacy path), shutting down
+// or resetting, only if it was schedulable, with the talos.dev/cordoned
+// annotation, and uncordons at boot only a Node it cordoned. The sim does
+// the same, so an operator's cordon survives every action. The sim never
+// touches spec.unschedulable otherwise.
+//
+// # The etcd model
+//
+// The members are the control planes. A member is healthy while its machine
+// is up, runs etcd and has no etcd-unhealthy fault. A leader exists while a
+// quorum of members is healthy (re-elected when it fails); without one, the
+// calls that need a leader answer Unavailable "etcdserver: no leader".
+// Alarms can be raised (fault) and disarmed. Forfeit moves the leadership to
+// another healthy member. Leave and remove take a member out; a machine that
+// left rejoins, as a new member, only after a boot with empty data. The
+// legacy Upgrade refuses two members or an unhealthy one. Snapshots end in
+// their SHA-256 as etcd's do; Bootstrap with RecoverEtcd restores the
+// snapshot's revision (Fleet.EtcdWrite moves the revision, to tell data
+// apart). Fleet.Etcd returns the model's state.
+//
+// # Kubernetes
+//
+// With a kube client, every machine registers its Node (or adopts an
+// existing one): labels kubernetes.io/hostname, node-role.kubernetes.io/
+// control-plane on control planes (with its NoSchedule taint) and FleetLabel;
+// InternalIP = the machine's address; Ready, nodeInfo.osImage "Talos (vX)",
+// kubeletVersion, bootID; status through the status subresource. The Node
+// goes Unknown (NotReady) while the machine is down and Ready when it is
+// back. Each machine plays its kubelet's part for the pods bound to its Node,
+// as kwok does: a pod being deleted (also after an eviction) is removed once
+// min(its grace period, Durations.PodGrace) has passed, or when the machine
+// is back if it was down. This is watch-driven (one Node informer, one Pod
+// informer per fleet), so kubectl drain and k8s.io/kubectl/pkg/drain finish.
+//
+// # Faults
+//
+// Machine.Inject(faults...) sets faults until the returned func clears them;
+// Machine.InjectString takes the annotation syntax. The same faults can be
+// set from outside the process with the Node annotation FaultAnnotation
+// (sim.ichor.maesh.dev/fault), a comma-separated list:
+//
+//	error:METHOD[:CODE][:once]  calls of METHOD fail with the gRPC CODE
+//	                            (default Unavailable), every time or once
+//	hang:METHOD                 calls of METHOD block until the fault is cleared
+//	rollback[:once]             the next boot of a new install comes back on
+//	                            the old version (Talos's A/B rollback)
+//	no-return                   a machine that goes down stays down until cleared
+//	etcd-unhealthy              the machine's etcd member is unhealthy
+//	alarm[:NOSPACE|CORRUPT]     an etcd alarm on the machine's member
+//
+// METHOD is a gRPC method name ("Reboot", in any service), "Service/Method"
+// ("LifecycleService/Upgrade") or "*". For example:
+//
+//	kubectl annotate node prod-w-1 sim.ichor.maesh.dev/fault=error:Upgrade:Unavailable:once
+//	kubectl annotate node prod-w-1 sim.ichor.maesh.dev/fault-   # clear
+//
+// Faults apply after the role check, so a denied call is still denied. A
+// once-fault from the annotation fires once per appearance in the
+// annotation. A fault that fires records a Warning Event "SimulatedFault" on
+// the Node; an annotation that does not parse changes nothing and records a
+// Warning Event "InvalidFault" saying why.
+//
+// # The recorder
+//
+// Fleet.Recorder keeps, safe for concurrent use: the calls routed to each
+// machine per method (Calls, CallCounts: every routed call, whatever its
+// outcome); the largest number of control planes and of workers out of
+// service at once (MaxDown: from the start of a reboot, legacy upgrade,
+// shutdown or reset until the machine answers again); the time range of
+// each disruptive action per machine (Actions: reboot, upgrade, install,
+// shutdown, reset); how many installs took effect at a boot
+// (UpgradesApplied); and Overlaps, the pairs of actions on different
+// machines whose time ranges intersect.
 package sim

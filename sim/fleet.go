@@ -2,10 +2,8 @@ package sim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -234,18 +232,6 @@ func cutPort(s string) (host, port string, ok bool) {
 	}
 	return s[:i], s[i+1:], true
 }
-
-// sortedNames returns the names of ms, sorted.
-func sortedNames(ms []*Machine) []string {
-	out := make([]string, len(ms))
-	for i, m := range ms {
-		out[i] = m.Name()
-	}
-	sort.Strings(out)
-	return out
-}
-
-var errStopped = errors.New("fleet stopped")
 
 // The Kubernetes and etcd PKI that configs embed takes an RSA key, slow to
 // make; fleets in a process share it. Each fleet has a Talos API CA of

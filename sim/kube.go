@@ -122,21 +122,56 @@ func (k *kube) register(ctx context.Context, m *Machine) error {
 		corev1.LabelArchStable: "amd64",
 		FleetLabel:             k.f.spec.Name,
 	}
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: m.Name(), Labels: labels}}
+	// Registered with its status in one call, as a kubelet registers.
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: m.Name(), Labels: labels}, Status: runningStatus(m)}
+	now := metav1.Now()
+	node.Status.Conditions = []corev1.NodeCondition{{
+		Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", Message: "kubelet is posting ready status",
+		LastHeartbeatTime: now, LastTransitionTime: now,
+	}}
 	if m.spec.Role == ControlPlane {
 		labels[constants.LabelNodeRoleControlPlane] = ""
 		node.Spec.Taints = []corev1.Taint{{Key: constants.LabelNodeRoleControlPlane, Effect: corev1.TaintEffectNoSchedule}}
 	}
+	k.mu.Lock()
+	k.ready[m.Name()] = true
+	k.mu.Unlock()
 	_, err := k.cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		// Adopt it: our labels, its spec (cordon state) untouched.
-		patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": labels}})
-		_, err = k.cs.CoreV1().Nodes().Patch(ctx, m.Name(), types.StrategicMergePatchType, patch, metav1.PatchOptions{})
+	if !apierrors.IsAlreadyExists(err) {
+		return err
 	}
-	if err != nil {
+	// Adopt it: our labels and status, its spec (cordon state) untouched.
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": labels}})
+	if _, err := k.cs.CoreV1().Nodes().Patch(ctx, m.Name(), types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		return err
 	}
 	return k.writeStatus(ctx, m, true, true)
+}
+
+// runningStatus is what the kubelet of a running machine reports, but the
+// conditions.
+func runningStatus(m *Machine) corev1.NodeStatus {
+	res := corev1.ResourceList{
+		corev1.ResourceCPU:    resource.MustParse("4"),
+		corev1.ResourceMemory: resource.MustParse("8Gi"),
+		corev1.ResourcePods:   resource.MustParse("110"),
+	}
+	return corev1.NodeStatus{
+		Capacity:    res,
+		Allocatable: res,
+		Addresses:   []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: m.addr}, {Type: corev1.NodeHostName, Address: m.Name()}},
+		NodeInfo: corev1.NodeSystemInfo{
+			MachineID:               fmt.Sprintf("%032x", m.addr),
+			SystemUUID:              "sim-" + m.Name(),
+			BootID:                  m.BootID(),
+			KernelVersion:           "6.12.18-talos",
+			OSImage:                 m.osImage(),
+			ContainerRuntimeVersion: "containerd://2.1.5",
+			KubeletVersion:          "v" + m.KubeletVersion(),
+			OperatingSystem:         "linux",
+			Architecture:            "amd64",
+		},
+	}
 }
 
 // writeStatus writes the Node's status as the kubelet posts it: Ready (or
@@ -160,24 +195,9 @@ func (k *kube) writeStatus(ctx context.Context, m *Machine, ready, force bool) e
 	}
 	status := map[string]any{"conditions": []any{cond}}
 	if ready {
-		status["addresses"] = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: m.addr}, {Type: corev1.NodeHostName, Address: m.Name()}}
-		status["nodeInfo"] = corev1.NodeSystemInfo{
-			MachineID:               fmt.Sprintf("%032x", m.addr),
-			SystemUUID:              "sim-" + m.Name(),
-			BootID:                  m.BootID(),
-			KernelVersion:           "6.12.18-talos",
-			OSImage:                 m.osImage(),
-			ContainerRuntimeVersion: "containerd://2.1.5",
-			KubeletVersion:          "v" + m.KubeletVersion(),
-			OperatingSystem:         "linux",
-			Architecture:            "amd64",
-		}
-		res := corev1.ResourceList{
-			corev1.ResourceCPU:    resource.MustParse("4"),
-			corev1.ResourceMemory: resource.MustParse("8Gi"),
-			corev1.ResourcePods:   resource.MustParse("110"),
-		}
-		status["capacity"], status["allocatable"] = res, res
+		st := runningStatus(m)
+		status["addresses"], status["nodeInfo"] = st.Addresses, st.NodeInfo
+		status["capacity"], status["allocatable"] = st.Capacity, st.Allocatable
 	}
 	patch, err := json.Marshal(map[string]any{"status": status})
 	if err != nil {

@@ -2,7 +2,6 @@ package sim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -561,5 +560,3 @@ func restartable(id string) bool { return id == "kubelet" || strings.HasPrefix(i
 func (m *Machine) osImage() string {
 	return fmt.Sprintf("Talos (%s)", m.Version())
 }
-
-var errDown = errors.New("machine is down")
