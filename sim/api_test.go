@@ -337,3 +337,82 @@ func wantText(t testing.TB, err error, text string) {
 		t.Fatalf("want an error containing %q, got %v", text, err)
 	}
 }
+
+// TestServiceRestart: the kubelet and extension services restart (the
+// Service resource goes away and comes back running, as Talos's helpers
+// wait for); other services are refused as Talos refuses them.
+func TestServiceRestart(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.Machines[1].ExtensionServices = []string{"ext-iscsid"}
+	f := start(t, spec)
+	cp, w := f.Machines()[0], f.Machines()[1]
+	c := talos(t, f)
+	ctx, cancel := timeout()
+	defer cancel()
+	nctx := client.WithNode(ctx, w.Address())
+
+	events := make(chan safe.WrappedStateEvent[*v1alpha1.Service], 10)
+	if err := safe.StateWatch(nctx, c.COSI, v1alpha1.NewService("kubelet").Metadata(), events); err != nil {
+		t.Fatal(err)
+	}
+	if ev := <-events; ev.Type() != state.Created {
+		t.Fatalf("first watch event %v, want the current state", ev.Type())
+	}
+	resp, err := c.ServiceRestart(nctx, "kubelet")
+	if err != nil || resp.Messages[0].Resp != `Service "kubelet" restarted` {
+		t.Fatalf("restart kubelet: %v, %v", resp, err)
+	}
+	for _, want := range []state.EventType{state.Destroyed, state.Created} {
+		select {
+		case ev := <-events:
+			if ev.Type() != want {
+				t.Fatalf("watch event %v, want %v", ev.Type(), want)
+			}
+			if want == state.Created {
+				svc, err := ev.Resource()
+				if err != nil || !svc.TypedSpec().Running || !svc.TypedSpec().Healthy {
+					t.Fatalf("kubelet after restart: %v, %v", svc, err)
+				}
+			}
+		case <-ctx.Done():
+			t.Fatalf("no %v event", want)
+		}
+	}
+	if _, err := c.ServiceRestart(nctx, "ext-iscsid"); err != nil {
+		t.Fatalf("restart an extension service: %v", err)
+	}
+	_, err = c.ServiceRestart(client.WithNode(ctx, cp.Address()), "etcd")
+	wantText(t, err, `service "etcd" doesn't support restart operation via API`)
+	_, err = c.ServiceRestart(nctx, "nginx")
+	wantText(t, err, `service "nginx" not defined`)
+	list, err := c.ServiceList(nctx)
+	if err != nil || len(list.Messages[0].Services) == 0 {
+		t.Fatalf("service list: %v, %v", list, err)
+	}
+}
+
+// TestStreamFanOut: a server stream with nodes metadata interleaves every
+// node's messages, each tagged with its node, as apid does. (EventsWatch,
+// not V2: V2 expects one hello, and every node sends one.)
+func TestStreamFanOut(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 2))
+	w1, w2 := f.Machines()[1], f.Machines()[2]
+	c := talos(t, f)
+	ctx, cancel := timeout()
+	defer cancel()
+	seen := map[string]bool{}
+	err := c.EventsWatch(client.WithNodes(ctx, w1.Address(), w2.Address()), func(ch <-chan client.Event) {
+		for ev := range ch {
+			seen[ev.Node] = true
+			if len(seen) == 2 {
+				cancel()
+			}
+		}
+	}, client.WithTailEvents(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !seen[w1.Address()] || !seen[w2.Address()] {
+		t.Fatalf("events from %v", seen)
+	}
+}

@@ -232,7 +232,7 @@ const newSchematic = "b8e8fbbe1b520989e6c52c8dc8303070cb42095997e76e812fa8892393
 // reboots by itself and comes back on the new version and schematic, on the
 // Talos API, in COSI and on its Node.
 func TestLegacyUpgrade(t *testing.T) {
-	f := start(t, fleetSpec(t, 1, 1))
+	f := start(t, fleetSpec(t, 1, 2))
 	w := f.Machines()[1]
 	c := talos(t, f)
 	ctx, cancel := timeout()
@@ -273,6 +273,17 @@ func TestLegacyUpgrade(t *testing.T) {
 	acts := f.Recorder().Actions(w.Name())
 	if len(acts) != 1 || acts[0].Kind != sim.ActionUpgrade {
 		t.Fatalf("actions %+v", acts)
+	}
+
+	// A staged upgrade reboots and installs during the reboot.
+	w2 := f.Machines()[2]
+	before = w2.BootID()
+	if _, err := c.UpgradeWithOptions(client.WithNode(ctx, w2.Address()), client.WithUpgradeImage(image), client.WithUpgradeStage(true)); err != nil {
+		t.Fatal(err)
+	}
+	waitRebooted(t, w2, before)
+	if v, err := version(t, c, w2); err != nil || v != "v1.13.0" {
+		t.Fatalf("version after a staged upgrade %q, %v", v, err)
 	}
 }
 
