@@ -13,6 +13,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
@@ -25,6 +26,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
@@ -95,6 +97,10 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err := mgr.AddReadyzCheck("readyz", healthz.Ping); err != nil {
 		return nil, err
 	}
+	table, err := compat.Default()
+	if err != nil {
+		return nil, fmt.Errorf("the embedded compatibility table: %w", err)
+	}
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("clientset: %w", err)
@@ -104,7 +110,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	r := &operation.Reconciler{
 		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
 		Lock: lk, Talos: &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace},
-		APIReader: mgr.GetAPIReader(), Executors: o.Executors, StepTimeout: o.StepTimeout,
+		Compat: table, Executors: o.Executors, StepTimeout: o.StepTimeout,
 		Log: o.Log.WithName("operation"),
 	}
 	if err := r.SetupWithManager(mgr); err != nil {
@@ -135,6 +141,12 @@ func cacheOptions(ns string) cache.Options {
 				Field:      fields.OneTermEqualSelector("metadata.name", ichorv1.TalosconfigSecret),
 			},
 			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{ns: {}}},
+			// Only the API server's static pods, whose image tags are the
+			// control plane's Kubernetes version; drains list pods live.
+			&corev1.Pod{}: {
+				Namespaces: map[string]cache.Config{"kube-system": {}},
+				Label:      labels.SelectorFromSet(labels.Set{"k8s-app": "kube-apiserver"}),
+			},
 		},
 	}
 }

@@ -43,7 +43,7 @@ func (t *turn) facts(ctx context.Context) (preflight.Cluster, error) {
 // kubelets when the API server runs no such pods.
 func (t *turn) controlPlaneVersion(ctx context.Context) (string, error) {
 	var pods corev1.PodList
-	if err := t.r.APIReader.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": "kube-apiserver"}); err != nil {
+	if err := t.r.Client.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": "kube-apiserver"}); err != nil {
 		return "", fmt.Errorf("list kube-apiserver pods: %w", err)
 	}
 	var versions []string

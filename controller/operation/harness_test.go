@@ -3,6 +3,7 @@ package operation_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"go.uber.org/zap/zapcore"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -35,13 +37,13 @@ func TestMain(m *testing.M) { os.Exit(testenv.Main(m, &env)) }
 // each removes its Nodes and operations when it ends, so the next one's
 // controller sees only its own.
 type cluster struct {
-	t     *testing.T
+	t     testing.TB
 	fleet *sim.Fleet
 	// ns holds the operations; ctrlNS the lock, the leader Lease and the Secret.
 	ns, ctrlNS string
 }
 
-func newCluster(t *testing.T, spec sim.Spec) *cluster {
+func newCluster(t testing.TB, spec sim.Spec) *cluster {
 	t.Helper()
 	c := newClusterWithoutTalosconfig(t, spec)
 	c.writeTalosconfig()
@@ -49,13 +51,13 @@ func newCluster(t *testing.T, spec sim.Spec) *cluster {
 }
 
 // newClusterWithoutTalosconfig is newCluster without the Secret.
-func newClusterWithoutTalosconfig(t *testing.T, spec sim.Spec) *cluster {
+func newClusterWithoutTalosconfig(t testing.TB, spec sim.Spec) *cluster {
 	t.Helper()
 	return newClusterIn(t, spec, env.Namespace(t))
 }
 
 // newClusterIn is newCluster without the Secret, with the controller in ctrlNS.
-func newClusterIn(t *testing.T, spec sim.Spec, ctrlNS string) *cluster {
+func newClusterIn(t testing.TB, spec sim.Spec, ctrlNS string) *cluster {
 	t.Helper()
 	ctx := context.Background()
 	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: ctrlNS}
@@ -140,7 +142,9 @@ func (c *cluster) start(opts ...controllerOption) *controller {
 	o := app.Options{
 		Namespace: c.ctrlNS, MetricsAddr: "0", ProbeAddr: "0", Version: "v0.0.0-test",
 		Executors: countingRegistry(executor.Default(), steps),
-		Log:       zap.New(zap.WriteTo(testWriter{c.t}), zap.UseDevMode(true)),
+		Log: zap.New(zap.WriteTo(logSink(c.t)), zap.UseDevMode(true), func(o *zap.Options) {
+			o.TimeEncoder = zapcore.RFC3339NanoTimeEncoder
+		}),
 	}
 	cfg := rest.CopyConfig(env.Config)
 	for _, opt := range opts {
@@ -164,7 +168,21 @@ func (ctl *controller) stop() {
 	ctl.done <- nil // later stops return at once
 }
 
-type testWriter struct{ t *testing.T }
+// logSink is the test's log, or the file $ICHOR_TEST_LOG (benchmarks
+// truncate their logs).
+func logSink(t testing.TB) io.Writer {
+	if path := os.Getenv("ICHOR_TEST_LOG"); path != "" {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		return f
+	}
+	return testWriter{t}
+}
+
+type testWriter struct{ t testing.TB }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))

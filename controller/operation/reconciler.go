@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -45,8 +46,6 @@ type Reconciler struct {
 	Lock      *lock.Lock
 	Talos     *talos.Connector
 	Executors executor.Registry
-	// APIReader reads what the cache does not hold (kube-system pods for preflight).
-	APIReader client.Reader
 	// Compat is the compatibility table; nil means the embedded one.
 	Compat *compat.Table
 	// StepTimeout bounds steps that do not set their own.
@@ -56,6 +55,11 @@ type Reconciler struct {
 	Log logr.Logger
 
 	runner *runner
+	// superseded holds, per operation, the resourceVersions this controller
+	// has itself replaced by writing: a cache that still shows one of them is
+	// stale, and reconciling it would only end in a conflict (and backoff).
+	// The watch event of the write brings the operation back anyway.
+	superseded sync.Map // types.UID -> string
 }
 
 func (r *Reconciler) now() time.Time {
@@ -70,6 +74,9 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	op := &ichorv1.TalosOperation{}
 	if err := r.Client.Get(ctx, req.NamespacedName, op); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
+	}
+	if v, ok := r.superseded.Load(op.UID); ok && v.(string) == op.ResourceVersion {
+		return ctrl.Result{}, nil
 	}
 	log := r.Log.WithValues("operation", req.NamespacedName.String())
 	ctx = logr.NewContext(ctx, log)
@@ -86,6 +93,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, r.release(ctx, op)
 	}
 
+	start := r.now()
+	defer func() { log.V(1).Info("reconciled", "took", r.now().Sub(start).String(), "phase", op.Status.Phase) }()
 	t := &turn{r: r, persisted: op, op: op.DeepCopy(), log: log}
 	result, err := t.run(ctx)
 	if werr := t.write(ctx); werr != nil {
@@ -203,6 +212,7 @@ func (r *Reconciler) kinds() string {
 func (t *turn) write(ctx context.Context) error {
 	summarise(&t.op.Status)
 	if !equality.Semantic.DeepEqual(t.persisted.Status, t.op.Status) {
+		before := t.op.ResourceVersion
 		if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
 			if apierrors.IsConflict(err) {
 				t.log.V(1).Info("status changed meanwhile; reconciling again")
@@ -211,6 +221,7 @@ func (t *turn) write(ctx context.Context) error {
 			return fmt.Errorf("write status: %w", err)
 		}
 		statusWrites.Inc()
+		t.r.superseded.Store(t.op.UID, before)
 		// What was just written is persisted: steps it records may start
 		// now, without waiting for the write to come back through the watch.
 		t.persisted = t.op.DeepCopy()
@@ -220,9 +231,11 @@ func (t *turn) write(ctx context.Context) error {
 	}
 	if t.dropRetry {
 		patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, ichorv1.RetryAnnotation))
+		before := t.op.ResourceVersion
 		if err := t.r.Client.Patch(ctx, t.op, client.RawPatch(types.MergePatchType, patch)); err != nil {
 			return fmt.Errorf("remove the retry annotation: %w", err)
 		}
+		t.r.superseded.Store(t.op.UID, before)
 	}
 	return nil
 }

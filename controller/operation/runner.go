@@ -122,7 +122,9 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		defer r.wg.Done()
 		defer cancel()
 		start := r.now()
+		env.Log.V(1).Info("step started")
 		out, err := step.Run(ctx, env)
+		env.Log.V(1).Info("step ended", "took", r.now().Sub(start).String(), "err", err)
 		if err == nil && ctx.Err() != nil && r.base.Err() != nil {
 			return // the manager is stopping: a new leader runs the step again
 		}

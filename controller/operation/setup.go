@@ -109,6 +109,7 @@ func (r *Reconciler) finalize(ctx context.Context, op *ichorv1.TalosOperation) (
 		return ctrl.Result{}, err
 	}
 	r.runner.forget(op.UID)
+	r.superseded.Delete(op.UID)
 	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
 	return ctrl.Result{}, r.Client.Update(ctx, op)
 }
