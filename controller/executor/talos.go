@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -117,10 +120,19 @@ func installStep(legacy bool) Step {
 			}
 			return Outcome{Message: "installed " + image + "; rebooting"}, nil
 		}
-		if err := talos.Pull(ctx, e.Talos, e.Address, image); err != nil {
-			return Outcome{}, Fail("PullFailed", "%w", err)
+		err = talos.Pull(ctx, e.Talos, e.Address, image)
+		if err == nil {
+			err = talos.Install(ctx, e.Talos, e.Address, image)
 		}
-		if err := talos.Install(ctx, e.Talos, e.Address, image); err != nil {
+		if status.Code(err) == codes.Unimplemented {
+			// An early 1.13 pre-release without LifecycleService: the
+			// legacy call installs and reboots by itself.
+			if err := talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle); err != nil {
+				return Outcome{}, Fail("InstallFailed", "%w", err)
+			}
+			return Outcome{Message: "installed " + image + " (legacy API); rebooting", Next: StepRebooted}, nil
+		}
+		if err != nil {
 			return Outcome{}, Fail("InstallFailed", "%w", err)
 		}
 		return Outcome{Message: "installed " + image}, nil

@@ -32,10 +32,13 @@ func (c *cluster) patchNode(name, patch string) {
 func TestTalosUpgrade(t *testing.T) {
 	tests := []struct {
 		name, from, to string
-		legacy         bool
+		// legacy and lifecycle are the upgrade calls each machine takes.
+		legacy, lifecycle int
 	}{
-		{"legacy API from 1.12 to 1.13", "v1.12.4", "v1.13.7", true},
-		{"lifecycle API within 1.13", "v1.13.2", "v1.13.7", false},
+		{"legacy API from 1.12 to 1.13", "v1.12.4", "v1.13.7", 1, 0},
+		{"lifecycle API within 1.13", "v1.13.2", "v1.13.7", 0, 1},
+		// Before 1.13.0-beta.0 LifecycleService answers Unimplemented.
+		{"legacy fallback from an early 1.13", "v1.13.0-alpha.2", "v1.13.7", 1, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -74,6 +77,9 @@ func TestTalosUpgrade(t *testing.T) {
 				if m.Version() != wantVersion {
 					t.Errorf("%s runs %s, want %s", m.Name(), m.Version(), wantVersion)
 				}
+				if want := "factory.talos.dev/metal-installer/" + sim.EmptySchematic + ":" + tt.to; m.Name() != held && m.Image() != want {
+					t.Errorf("%s installed from %s, want %s", m.Name(), m.Image(), want)
+				}
 				node := &corev1.Node{}
 				if err := env.Client.Get(context.Background(), client.ObjectKey{Name: m.Name()}, node); err != nil {
 					t.Fatal(err)
@@ -82,12 +88,11 @@ func TestTalosUpgrade(t *testing.T) {
 					t.Errorf("Node %s: Talos %s, unschedulable %v; want %s, schedulable", m.Name(), v, node.Spec.Unschedulable, wantVersion)
 				}
 			}
-			if tt.legacy {
-				if n := rec.Calls("", "LifecycleService/Upgrade"); n != 0 {
-					t.Errorf("1.12 hosts must use the legacy API; LifecycleService.Upgrade was called %d times", n)
-				}
-			} else if n := rec.Calls("", "MachineService/Upgrade"); n != 0 {
-				t.Errorf("1.13 hosts must use the lifecycle API; MachineService.Upgrade was called %d times", n)
+			if n := rec.Calls("", "MachineService/Upgrade"); n != 7*tt.legacy {
+				t.Errorf("MachineService.Upgrade called %d times, want %d", n, 7*tt.legacy)
+			}
+			if n := rec.Calls("", "LifecycleService/Upgrade"); n != 7*tt.lifecycle {
+				t.Errorf("LifecycleService.Upgrade called %d times, want %d", n, 7*tt.lifecycle)
 			}
 
 			// Control planes first and one at a time; workers after, in label order.
