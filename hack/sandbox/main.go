@@ -1,0 +1,189 @@
+// Command ichor-sandbox runs Ichor on this machine and nothing else: a real
+// kube-apiserver and etcd (the envtest binaries `make envtest-assets`
+// builds), Ichor's manifests applied with the real kubectl, a fleet of
+// simulated Talos machines, and ichor-controller running in this process as
+// its ServiceAccount. It writes a kubeconfig and a talosconfig under
+// .ichor-sandbox/ and stays up until Ctrl-C, which stops everything and
+// removes those files. Everything listens on loopback only.
+//
+// With --demo it runs a scripted walk-through with the real kubectl and
+// kubectl ichor instead, checks every step, and exits: 0 only if each step
+// behaved as described.
+//
+// It lives in hack/ because it is a tool for trying and demonstrating Ichor,
+// not part of what ships (neither the controller image nor the krew plugin).
+// `make sandbox` and `make demo` run it.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"maesh.dev/ichor/sim"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	go func() {
+		// A second Ctrl-C ends the process at once.
+		<-ctx.Done()
+		stop()
+	}()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// options are the command line.
+type options struct {
+	config
+	demo demoConfig
+	// Demo runs the walk-through instead of waiting for Ctrl-C.
+	Demo bool
+}
+
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	root, err := repoRoot()
+	if err != nil {
+		return options{}, err
+	}
+	o := options{config: config{Root: root, Assets: os.Getenv("KUBEBUILDER_ASSETS")}}
+	fs := flag.NewFlagSet("ichor-sandbox", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: ichor-sandbox [flags]   (make sandbox, make demo)\n\n%s\n\nFlags:\n", usageIntro)
+		fs.PrintDefaults()
+	}
+	fs.IntVar(&o.ControlPlanes, "control-planes", 3, "simulated control-plane machines")
+	fs.IntVar(&o.Workers, "workers", 3, "simulated worker machines")
+	fs.StringVar(&o.Talos, "talos", sim.DefaultTalos, "Talos version the machines run")
+	fs.StringVar(&o.Kubernetes, "kubernetes", sim.DefaultKubernetes, "Kubernetes version the machines run")
+	fs.StringVar(&o.Name, "name", "sandbox", "cluster name: prefixes the machine names (sandbox-cp-1, sandbox-w-1) and names the talosconfig context")
+	fs.DurationVar(&o.Pace, "pace", time.Second, "length of the shortest simulated step; a reboot takes 3 times as long, an install 2")
+	fs.StringVar(&o.Dir, "dir", filepath.Join(root, ".ichor-sandbox"), "directory for the kubeconfig, talosconfig, env file and logs (removed on exit)")
+	fs.StringVar(&o.Kubectl, "kubectl", defaultKubectl(), "the kubectl to run ($KUBECTL)")
+	fs.BoolVar(&o.Demo, "demo", false, "run the scripted walk-through, check every step, then stop")
+	fs.StringVar(&o.demo.Target, "to", "v1.13.7", "with --demo: the Talos version the demo upgrades to")
+	fs.StringVar(&o.demo.PluginDir, "plugin-dir", filepath.Join(root, "bin"), "with --demo: the directory holding kubectl-ichor (make build)")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q: ichor-sandbox takes flags only (see -h)", fs.Args())
+	}
+	if o.Dir, err = filepath.Abs(o.Dir); err != nil {
+		return o, err
+	}
+	o.Stdout = io.Discard
+	if o.Demo {
+		return o, o.demo.validate(o.config)
+	}
+	return o, nil
+}
+
+const usageIntro = `Runs Ichor on this machine: a real kube-apiserver and etcd, Ichor's manifests,
+simulated Talos machines and ichor-controller, all on loopback, until Ctrl-C.`
+
+func defaultKubectl() string {
+	if k := os.Getenv("KUBECTL"); k != "" {
+		return k
+	}
+	if p, err := exec.LookPath("kubectl"); err == nil {
+		return p
+	}
+	return "kubectl"
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "error:", err)
+		return 2
+	}
+	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver and etcd, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, ichor-controller...\n",
+		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes)
+	sb, err := Start(ctx, o.config)
+	if err != nil {
+		fmt.Fprintln(stderr, "error:", err)
+		return 1
+	}
+	defer func() {
+		fmt.Fprintln(stdout, "Stopping the sandbox: ichor-controller, the machines, kube-apiserver and etcd; removing", relative(o.Dir))
+		sb.Stop()
+	}()
+	if o.Demo {
+		if err := runDemo(ctx, sb, o.demo, stdout); err != nil {
+			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n(the sandbox's logs were in %s and %s; they are removed with it)\n", err, fileController, fileSim)
+			return 1
+		}
+		fmt.Fprintln(stdout, "\nThe demo ran as described: every step was checked.")
+		return 0
+	}
+	printUsage(stdout, sb)
+	<-ctx.Done()
+	return 0
+}
+
+func printUsage(w io.Writer, sb *Sandbox) {
+	machines := sb.Fleet.Machines()
+	first, last := machines[0].Name(), machines[len(machines)-1].Name()
+	fmt.Fprintf(w, `
+The Ichor sandbox is up (ready). Everything listens on 127.0.0.1 and stays up until Ctrl-C.
+
+  API server     %s (kube-apiserver and etcd built by make envtest-assets)
+  Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
+  Controller     ichor-controller, running here as its ServiceAccount; log in %s
+
+In another terminal (make build puts kubectl-ichor in bin/):
+
+  source %s            # sets KUBECONFIG, TALOSCONFIG and puts bin/ on PATH
+  kubectl get nodes -o wide
+  kubectl ichor upgrade talos --to v1.13.7 --watch
+  kubectl ichor node reboot %s
+  kubectl ichor lock
+  kubectl ichor operation list
+
+Make a machine misbehave with the annotation %s on its Node
+(this one makes the next Talos upgrade of %s fail), then fix it and retry:
+
+  kubectl annotate node %s %s=error:Upgrade:Internal
+  kubectl annotate node %s %s-
+  kubectl ichor retry NAME
+
+Faults: error:METHOD[:CODE][:once], hang:METHOD, rollback[:once], no-return,
+etcd-unhealthy, alarm[:NOSPACE|CORRUPT]; several are separated by commas.
+The machines log what happens to them in %s.
+
+Ctrl-C stops everything and removes %s.
+`, sb.Admin.Host, len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileController)),
+		relative(sb.Path(fileEnv)), last, sim.FaultAnnotation, last, last, sim.FaultAnnotation, last, sim.FaultAnnotation,
+		relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
+}
+
+// repoRoot finds the repository root by walking up to go.mod.
+func repoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("run the sandbox inside the Ichor repository (no go.mod above the working directory)")
+		}
+		dir = parent
+	}
+}

@@ -1,0 +1,463 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/klog/v2"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/internal/version"
+	"maesh.dev/ichor/sim"
+)
+
+// The files a sandbox writes in its directory, and nothing else: Stop
+// removes exactly these (and the directory once it is empty).
+const (
+	fileKubeconfig  = "kubeconfig"
+	fileTalosconfig = "talosconfig"
+	fileEnv         = "env"
+	fileState       = "sandbox.json"
+	fileController  = "controller.log"
+	fileSim         = "sim.log"
+)
+
+var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim}
+
+// controllerUser is the controller's ServiceAccount as the API server
+// names it: the sandbox runs the controller as that user, so the RBAC of
+// manifests/ is what it is allowed.
+const controllerUser = "system:serviceaccount:" + ichorv1.DefaultNamespace + ":ichor-controller"
+
+// config is what the flags set.
+type config struct {
+	// Root is the repository root (manifests/ and bin/ are under it).
+	Root string
+	// Dir holds the kubeconfig, talosconfig, env file, state and logs.
+	Dir string
+	// Assets is the directory of kube-apiserver and etcd (KUBEBUILDER_ASSETS).
+	Assets string
+	// Kubectl is the real kubectl that applies the manifests (and runs the demo).
+	Kubectl string
+
+	Name                   string
+	ControlPlanes, Workers int
+	Talos, Kubernetes      string
+	// Pace is the length of the shortest simulated step; the others are
+	// multiples of it (a reboot takes 3, an install 2).
+	Pace time.Duration
+	// Stdout receives kubectl's output while the sandbox starts.
+	Stdout io.Writer
+}
+
+func (c config) validate() error {
+	var errs []error
+	if c.ControlPlanes < 1 {
+		errs = append(errs, fmt.Errorf("--control-planes %d: a cluster needs at least one control plane", c.ControlPlanes))
+	}
+	if c.Workers < 0 {
+		errs = append(errs, fmt.Errorf("--workers %d: use 0 or more", c.Workers))
+	}
+	if c.Pace <= 0 {
+		errs = append(errs, fmt.Errorf("--pace %s: use a positive duration, like 1s", c.Pace))
+	}
+	if c.Assets == "" {
+		errs = append(errs, errors.New("KUBEBUILDER_ASSETS is not set: run `make sandbox`, or `KUBEBUILDER_ASSETS=$(make -s envtest-assets) go run ./hack/sandbox`"))
+	} else if _, err := os.Stat(filepath.Join(c.Assets, "kube-apiserver")); err != nil {
+		errs = append(errs, fmt.Errorf("no kube-apiserver in KUBEBUILDER_ASSETS=%s: run `make envtest-assets`", c.Assets))
+	}
+	return errors.Join(errs...)
+}
+
+// durations are the simulated steps at the sandbox's pace: seconds by
+// default, so that a person can follow an upgrade machine by machine.
+func durations(pace time.Duration) sim.Durations {
+	return sim.Durations{
+		Stop:           pace,
+		Reboot:         3 * pace,
+		Install:        2 * pace,
+		ImagePull:      pace,
+		KubeletRestart: pace,
+		PodGrace:       pace,
+		DrainTimeout:   60 * pace,
+	}
+}
+
+// fleetSpec is the simulated cluster the flags describe.
+func (c config) fleetSpec(logf func(string, ...any)) sim.Spec {
+	spec := sim.Cluster(c.Name, c.ControlPlanes, c.Workers)
+	for i := range spec.Machines {
+		spec.Machines[i].Talos = c.Talos
+		spec.Machines[i].Kubernetes = c.Kubernetes
+	}
+	spec.Durations = durations(c.Pace)
+	spec.Logf = logf
+	return spec
+}
+
+// Sandbox is a running sandbox: API server, fleet and controller.
+type Sandbox struct {
+	cfg config
+	env *envtest.Environment
+	// Admin is a cluster-admin REST config; Client a client with it.
+	Admin  *rest.Config
+	Client client.Client
+	Fleet  *sim.Fleet
+
+	stopController context.CancelFunc
+	controllerDone chan error
+	logs           []*os.File
+	wrote          []string
+	stopOnce       sync.Once
+}
+
+// state is sandbox.json: where things listen, for scripts and for a second
+// sandbox to tell that this one is still running.
+type state struct {
+	PID        int      `json:"pid"`
+	APIServer  string   `json:"apiServer"`
+	Etcd       string   `json:"etcd"`
+	TalosAPI   []string `json:"talosAPI"`
+	Kubeconfig string   `json:"kubeconfig"`
+}
+
+// Path is the path of one of the sandbox's files.
+func (s *Sandbox) Path(name string) string { return filepath.Join(s.cfg.Dir, name) }
+
+// Start brings a sandbox up; on error it has already cleaned up after itself.
+func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	s := &Sandbox{cfg: cfg}
+	if err := s.claimDir(); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			s.Stop()
+		}
+	}()
+	if err := s.startAPIServer(); err != nil {
+		return nil, err
+	}
+	if err := s.install(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.startFleet(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.startController(ctx); err != nil {
+		return nil, err
+	}
+	return s, s.writeState()
+}
+
+// claimDir creates the directory, refusing one that a live sandbox uses
+// and removing what a dead one left behind.
+func (s *Sandbox) claimDir() error {
+	if b, err := os.ReadFile(s.Path(fileState)); err == nil {
+		var st state
+		if json.Unmarshal(b, &st) == nil && st.PID > 0 && st.PID != os.Getpid() && alive(st.PID) {
+			return fmt.Errorf("a sandbox (pid %d) is already running with its files in %s: use it, or stop it with Ctrl-C in its terminal (kill -INT %d)", st.PID, s.cfg.Dir, st.PID)
+		}
+	}
+	for _, f := range sandboxFiles {
+		_ = os.Remove(s.Path(f))
+	}
+	if err := os.MkdirAll(s.cfg.Dir, 0o700); err != nil {
+		return fmt.Errorf("sandbox directory: %w", err)
+	}
+	// Claim it before the slow start, so that a second sandbox is refused at once.
+	return s.write(fileState, []byte(fmt.Sprintf(`{"pid":%d}`+"\n", os.Getpid())), 0o600)
+}
+
+func alive(pid int) bool {
+	p, err := os.FindProcess(pid)
+	return err == nil && p.Signal(syscall.Signal(0)) == nil
+}
+
+func (s *Sandbox) write(name string, data []byte, mode os.FileMode) error {
+	if err := os.WriteFile(s.Path(name), data, mode); err != nil {
+		return err
+	}
+	s.remember(name)
+	return nil
+}
+
+func (s *Sandbox) remember(name string) {
+	for _, w := range s.wrote {
+		if w == name {
+			return
+		}
+	}
+	s.wrote = append(s.wrote, name)
+}
+
+func (s *Sandbox) createLog(name string) (*os.File, error) {
+	f, err := os.OpenFile(s.Path(name), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	s.remember(name)
+	s.logs = append(s.logs, f)
+	return f, nil
+}
+
+// startAPIServer starts etcd and kube-apiserver (both on loopback: envtest
+// binds them to 127.0.0.1) and writes an admin kubeconfig.
+func (s *Sandbox) startAPIServer() error {
+	s.env = &envtest.Environment{BinaryAssetsDirectory: s.cfg.Assets}
+	cfg, err := s.env.Start()
+	if err != nil {
+		s.env = nil
+		return fmt.Errorf("start kube-apiserver and etcd from %s: %w", s.cfg.Assets, err)
+	}
+	cfg.QPS, cfg.Burst = 200, 400
+	s.Admin = cfg
+	if s.Client, err = client.New(cfg, client.Options{Scheme: app.Scheme}); err != nil {
+		return err
+	}
+	admin, err := s.env.AddUser(envtest.User{Name: "ichor-sandbox-admin", Groups: []string{"system:masters"}}, nil)
+	if err != nil {
+		return fmt.Errorf("admin user: %w", err)
+	}
+	kc, err := admin.KubeConfig()
+	if err != nil {
+		return err
+	}
+	if kc, err = renameContext(kc, "ichor-sandbox"); err != nil {
+		return err
+	}
+	return s.write(fileKubeconfig, kc, 0o600)
+}
+
+// renameContext names the kubeconfig's cluster, user and context after the
+// sandbox, so that it reads well in `kubectl config get-contexts`.
+func renameContext(data []byte, name string) ([]byte, error) {
+	kc, err := clientcmd.Load(data)
+	if err != nil {
+		return nil, fmt.Errorf("read envtest's kubeconfig: %w", err)
+	}
+	ctx := kc.Contexts[kc.CurrentContext]
+	if ctx == nil {
+		return nil, errors.New("envtest's kubeconfig has no current context")
+	}
+	cluster, user := kc.Clusters[ctx.Cluster], kc.AuthInfos[ctx.AuthInfo]
+	kc.Clusters = map[string]*clientcmdapi.Cluster{name: cluster}
+	kc.AuthInfos = map[string]*clientcmdapi.AuthInfo{name: user}
+	ctx.Cluster, ctx.AuthInfo, ctx.Namespace = name, name, metav1.NamespaceDefault
+	kc.Contexts = map[string]*clientcmdapi.Context{name: ctx}
+	kc.CurrentContext = name
+	return clientcmd.Write(*kc)
+}
+
+// install applies manifests/ with the real kubectl, as an admin installs
+// Ichor into a cluster, and waits until the CRD is served.
+func (s *Sandbox) install(ctx context.Context) error {
+	if _, err := s.kubectl(ctx, "apply", "--server-side", "-k", filepath.Join(s.cfg.Root, "manifests")); err != nil {
+		return fmt.Errorf("install Ichor: %w", err)
+	}
+	_, err := s.kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/talosoperations.ichor.maesh.dev")
+	return err
+}
+
+// kubectl runs the real kubectl with the sandbox's kubeconfig, copying its
+// output to cfg.Stdout.
+func (s *Sandbox) kubectl(ctx context.Context, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, s.cfg.Kubectl, args...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+s.Path(fileKubeconfig))
+	var out, errOut strings.Builder
+	cmd.Stdout, cmd.Stderr = io.MultiWriter(&out, s.cfg.Stdout), &errOut
+	if err := cmd.Run(); err != nil {
+		return out.String(), fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(errOut.String()))
+	}
+	return out.String(), nil
+}
+
+// startFleet starts the simulated machines (their Nodes appear in the API
+// server), writes their talosconfig and gives it to the controller the way
+// the README tells an admin to: kubectl create secret.
+func (s *Sandbox) startFleet(ctx context.Context) error {
+	logFile, err := s.createLog(fileSim)
+	if err != nil {
+		return err
+	}
+	var mu sync.Mutex
+	logf := func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Fprintf(logFile, "%s %s\n", time.Now().Format(time.RFC3339Nano), fmt.Sprintf(format, args...))
+	}
+	kube, err := kubernetes.NewForConfig(s.Admin)
+	if err != nil {
+		return err
+	}
+	if s.Fleet, err = sim.Start(ctx, s.cfg.fleetSpec(logf), kube); err != nil {
+		return fmt.Errorf("start the simulated machines: %w", err)
+	}
+	tc, err := s.Fleet.Talosconfig().Bytes()
+	if err != nil {
+		return fmt.Errorf("talosconfig: %w", err)
+	}
+	if err := s.write(fileTalosconfig, tc, 0o600); err != nil {
+		return err
+	}
+	_, err = s.kubectl(ctx, "create", "secret", "generic", ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace,
+		"--from-file="+ichorv1.TalosconfigKey+"="+s.Path(fileTalosconfig))
+	return err
+}
+
+// startController runs ichor-controller in this process, as its
+// ServiceAccount, with leader election on (the leader Lease carries the
+// version `kubectl ichor version` prints), and waits until it leads.
+func (s *Sandbox) startController(ctx context.Context) error {
+	logFile, err := s.createLog(fileController)
+	if err != nil {
+		return err
+	}
+	log := zap.New(zap.WriteTo(logFile), zap.UseDevMode(true))
+	// client-go and controller-runtime log outside the manager too.
+	ctrl.SetLogger(log)
+	klog.SetLogger(log)
+
+	user, err := s.env.AddUser(envtest.User{Name: controllerUser,
+		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ichorv1.DefaultNamespace}}, nil)
+	if err != nil {
+		return fmt.Errorf("controller user: %w", err)
+	}
+	cfg := user.Config()
+	cfg.QPS, cfg.Burst = 200, 400
+	mgr, err := app.New(cfg, app.Options{
+		Namespace:      ichorv1.DefaultNamespace,
+		MetricsAddr:    "0",
+		ProbeAddr:      "0",
+		LeaderElection: true,
+		Version:        version.Version,
+		Log:            log,
+	})
+	if err != nil {
+		return fmt.Errorf("start ichor-controller: %w", err)
+	}
+	runCtx, cancel := context.WithCancel(context.Background())
+	s.stopController, s.controllerDone = cancel, make(chan error, 1)
+	go func() { s.controllerDone <- mgr.Start(runCtx) }()
+	return s.waitLeader(ctx, log)
+}
+
+// waitLeader waits until the controller leads and has written its version
+// on the leader Lease.
+func (s *Sandbox) waitLeader(ctx context.Context, log logr.Logger) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	err := wait.PollUntilContextCancel(ctx, 50*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		select {
+		case err := <-s.controllerDone:
+			s.controllerDone <- err
+			return false, fmt.Errorf("ichor-controller stopped: %v (see %s)", err, s.Path(fileController))
+		default:
+		}
+		var lease coordinationv1.Lease
+		if err := s.Client.Get(ctx, client.ObjectKey{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.LeaderLeaseName}, &lease); err != nil {
+			return false, client.IgnoreNotFound(err)
+		}
+		return lease.Annotations[ichorv1.VersionAnnotation] != "", nil
+	})
+	if err != nil {
+		log.Error(err, "waiting for the controller to lead")
+		return fmt.Errorf("ichor-controller did not take the leader Lease: %w (see %s)", err, s.Path(fileController))
+	}
+	return nil
+}
+
+func (s *Sandbox) writeState() error {
+	st := state{
+		PID:        os.Getpid(),
+		APIServer:  s.Admin.Host,
+		Etcd:       s.env.ControlPlane.Etcd.URL.String(),
+		TalosAPI:   s.Fleet.Endpoints(),
+		Kubeconfig: s.Path(fileKubeconfig),
+	}
+	b, err := json.MarshalIndent(st, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := s.write(fileState, append(b, '\n'), 0o600); err != nil {
+		return err
+	}
+	env := fmt.Sprintf("# Use the Ichor sandbox: source %s\nexport KUBECONFIG=%s\nexport TALOSCONFIG=%s\nexport PATH=%s:\"$PATH\"\n",
+		s.Path(fileEnv), shellQuote(s.Path(fileKubeconfig)), shellQuote(s.Path(fileTalosconfig)), shellQuote(filepath.Join(s.cfg.Root, "bin")))
+	return s.write(fileEnv, []byte(env), 0o600)
+}
+
+func shellQuote(s string) string {
+	if strings.ContainsAny(s, " \t\n'\"\\$`") {
+		return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+	}
+	return s
+}
+
+// Stop stops the controller, the fleet, kube-apiserver and etcd, in that
+// order, and removes the files the sandbox wrote. It is safe to call twice.
+func (s *Sandbox) Stop() {
+	s.stopOnce.Do(func() {
+		if s.stopController != nil {
+			s.stopController()
+			select {
+			case <-s.controllerDone:
+			case <-time.After(30 * time.Second):
+				fmt.Fprintln(os.Stderr, "sandbox: ichor-controller did not stop within 30s")
+			}
+		}
+		if s.Fleet != nil {
+			s.Fleet.Stop()
+		}
+		if s.env != nil {
+			if err := s.env.Stop(); err != nil {
+				fmt.Fprintln(os.Stderr, "sandbox: stop kube-apiserver and etcd:", err)
+			}
+		}
+		for _, f := range s.logs {
+			_ = f.Close()
+		}
+		for _, name := range s.wrote {
+			_ = os.Remove(s.Path(name))
+		}
+		_ = os.Remove(s.cfg.Dir) // only if empty: files of the user's stay
+	})
+}
+
+// relative shortens path for printing when it is under the working directory.
+func relative(path string) string {
+	wd, err := os.Getwd()
+	if err != nil {
+		return path
+	}
+	if rel, err := filepath.Rel(wd, path); err == nil && !strings.HasPrefix(rel, "..") {
+		return rel
+	}
+	return path
+}

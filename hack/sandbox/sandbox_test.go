@@ -1,0 +1,295 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"maesh.dev/ichor/internal/version"
+)
+
+// childEnv makes the test binary run the sandbox's main instead of the
+// tests, so that a test can start it as a process and interrupt it.
+const childEnv = "ICHOR_SANDBOX_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		main()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+func assets(t *testing.T) string {
+	t.Helper()
+	a := os.Getenv("KUBEBUILDER_ASSETS")
+	if a == "" {
+		t.Fatal("KUBEBUILDER_ASSETS is not set: run `make test`, or `KUBEBUILDER_ASSETS=$(make -s envtest-assets) go test ./hack/sandbox`")
+	}
+	return a
+}
+
+// buildPlugin builds kubectl-ichor with the version this test binary
+// carries, as `make build` gives both the same.
+func buildPlugin(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	cmd := exec.Command("go", "build", "-ldflags", "-X maesh.dev/ichor/internal/version.Version="+version.Version,
+		"-o", filepath.Join(dir, "kubectl-ichor"), "maesh.dev/ichor/plugin")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build kubectl-ichor: %v\n%s", err, out)
+	}
+	return dir
+}
+
+// TestDemo runs the whole walk-through, as `make demo` does, at a faster
+// pace, and checks that it leaves nothing behind.
+func TestDemo(t *testing.T) {
+	assets(t)
+	plugins := buildPlugin(t)
+	dir := filepath.Join(t.TempDir(), "sandbox")
+	var out, errOut bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	code := run(ctx, []string{"--demo", "--pace", "200ms", "--dir", dir, "--plugin-dir", plugins}, &out, &errOut)
+	t.Log(out.String())
+	if code != 0 {
+		t.Fatalf("the demo exited with %d:\n%s", code, errOut.String())
+	}
+	for _, want := range []string{
+		"$ kubectl ichor upgrade talos --to v1.13.7 --name talos-upgrade",
+		"watch | ", // the live log of the first watch
+		"$ kubectl ichor retry talos-upgrade --watch",
+		"The demo ran as described",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the demo's output lacks %q", want)
+		}
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("the sandbox directory %s is still there after the demo (%v)", dir, err)
+	}
+}
+
+// TestInterrupt starts the sandbox as `make sandbox` does, checks what it
+// wrote and that everything listens on loopback only, then interrupts it:
+// it must exit 0, stop every server and remove its files. A second sandbox
+// on the same directory is refused while the first runs.
+func TestInterrupt(t *testing.T) {
+	assets(t)
+	dir := filepath.Join(t.TempDir(), "sandbox")
+	// A file of the user's in the directory stays.
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	mine := filepath.Join(dir, "notes.txt")
+	if err := os.WriteFile(mine, []byte("mine"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "--dir", dir, "--control-planes", "1", "--workers", "1", "--pace", "100ms")
+	cmd.Env = append(os.Environ(), childEnv+"=1")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errOut bytes.Buffer
+	cmd.Stderr = &errOut
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	printed := waitReady(t, stdout, &errOut)
+
+	st := readState(t, filepath.Join(dir, fileState))
+	if st.PID != cmd.Process.Pid {
+		t.Errorf("sandbox.json names pid %d, the sandbox is %d", st.PID, cmd.Process.Pid)
+	}
+	addrs := append([]string{st.APIServer, st.Etcd}, st.TalosAPI...)
+	for _, a := range addrs {
+		if !loopback(t, a) {
+			t.Errorf("%s does not listen on loopback", a)
+		}
+		if !answers(a) {
+			t.Errorf("nothing answers at %s while the sandbox runs", a)
+		}
+	}
+	for _, want := range []string{"source " + filepath.Join(dir, fileEnv), "kubectl ichor upgrade talos", "sim.ichor.maesh.dev/fault="} {
+		if !strings.Contains(printed, want) {
+			t.Errorf("the sandbox's instructions lack %q:\n%s", want, printed)
+		}
+	}
+	// The kubeconfig works with the real kubectl, and the machines and Ichor are there.
+	kubectl := defaultKubectl()
+	nodes, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "nodes", "-o", "name").CombinedOutput()
+	if err != nil || strings.Count(string(nodes), "node/") != 2 {
+		t.Errorf("kubectl get nodes with the sandbox's kubeconfig: %v\n%s", err, nodes)
+	}
+	secret, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "secret", "-n", "ichor-system", "ichor-talosconfig", "-o", "name").CombinedOutput()
+	if err != nil {
+		t.Errorf("the talosconfig Secret: %v\n%s", err, secret)
+	}
+	envFile, err := os.ReadFile(filepath.Join(dir, fileEnv))
+	if err != nil || !strings.Contains(string(envFile), "export KUBECONFIG="+filepath.Join(dir, fileKubeconfig)) {
+		t.Errorf("env file: %v\n%s", err, envFile)
+	}
+
+	// A second sandbox on the same directory is refused and changes nothing.
+	o, err := parseFlags([]string{"--dir", dir}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Start(ctx, o.config); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("a sandbox (pid %d) is already running", cmd.Process.Pid)) {
+		t.Errorf("a second sandbox on %s: %v", dir, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, fileKubeconfig)); err != nil {
+		t.Errorf("the refused second sandbox touched the first one's files: %v", err)
+	}
+
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("the sandbox did not exit cleanly on SIGINT: %v\n%s", err, errOut.String())
+	}
+	for _, a := range addrs {
+		if answers(a) {
+			t.Errorf("%s still answers after the sandbox stopped", a)
+		}
+	}
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 1 || entries[0].Name() != "notes.txt" {
+		var names []string
+		for _, e := range entries {
+			names = append(names, e.Name())
+		}
+		t.Errorf("after the sandbox stopped, %s holds %v; want only the user's notes.txt", dir, names)
+	}
+}
+
+// waitReady reads the sandbox's output until it says it is ready.
+func waitReady(t *testing.T, r io.Reader, errOut *bytes.Buffer) string {
+	t.Helper()
+	lines := make(chan string)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(r)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+	}()
+	var printed strings.Builder
+	deadline := time.After(90 * time.Second)
+	ready := false
+	for {
+		select {
+		case line, ok := <-lines:
+			if !ok {
+				if !ready {
+					t.Fatalf("the sandbox ended before it was ready:\n%s\n%s", printed.String(), errOut.String())
+				}
+				return printed.String()
+			}
+			printed.WriteString(line + "\n")
+			if strings.Contains(line, "(ready)") {
+				ready = true
+			}
+			if ready && strings.HasPrefix(line, "Ctrl-C stops everything") {
+				go func() {
+					for range lines {
+					}
+				}()
+				return printed.String()
+			}
+		case <-deadline:
+			t.Fatalf("the sandbox was not ready within 90s:\n%s\n%s", printed.String(), errOut.String())
+		}
+	}
+}
+
+func readState(t *testing.T, path string) state {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st state
+	if err := json.Unmarshal(b, &st); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return st
+}
+
+func hostPort(t *testing.T, addr string) string {
+	t.Helper()
+	if strings.Contains(addr, "://") {
+		u, err := url.Parse(addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return u.Host
+	}
+	return addr
+}
+
+func loopback(t *testing.T, addr string) bool {
+	host, _, err := net.SplitHostPort(hostPort(t, addr))
+	if err != nil {
+		t.Fatalf("address %q: %v", addr, err)
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+func answers(addr string) bool {
+	if u, err := url.Parse(addr); err == nil && u.Host != "" {
+		addr = u.Host
+	}
+	c, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
+// TestFlags: bad flags are refused with what to do, before anything starts.
+func TestFlags(t *testing.T) {
+	plugins := t.TempDir()
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--control-planes", "0"}, "at least one control plane"},
+		{[]string{"--workers", "-1"}, "use 0 or more"},
+		{[]string{"--pace", "0s"}, "positive duration"},
+		{[]string{"extra"}, "takes flags only"},
+		{[]string{"--demo", "--workers", "0", "--plugin-dir", plugins}, "at least 2 control planes"},
+		{[]string{"--demo", "--plugin-dir", plugins}, "no kubectl-ichor in " + plugins},
+		{[]string{"--demo", "--to", "1.13.7", "--plugin-dir", plugins}, "leading v"},
+	} {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "sandbox")
+			var errOut bytes.Buffer
+			code := run(context.Background(), append(tc.args, "--dir", dir), io.Discard, &errOut)
+			if code == 0 || !strings.Contains(errOut.String(), tc.want) {
+				t.Errorf("exit %d, stderr %q; want an error with %q", code, errOut.String(), tc.want)
+			}
+			if _, err := os.Stat(dir); !os.IsNotExist(err) {
+				t.Errorf("a refused start created %s", dir)
+			}
+		})
+	}
+}
