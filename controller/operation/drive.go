@@ -15,7 +15,6 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
-	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/plan"
 	"maesh.dev/ichor/controller/preflight"
@@ -294,24 +293,21 @@ func (t *turn) pause(reason, msg string) {
 	setPhase(t.op, ichorv1.PhasePaused, reason, msg)
 }
 
-// acquire takes (or confirms) the cluster lock. Waiters take a free lock in
-// creation order: a newer operation leaves it to an older one that waits.
+// acquire takes (or confirms) the cluster lock. Operations take a free lock
+// in creation order: a newer one leaves it to an older one that wants it.
 func (t *turn) acquire(ctx context.Context) (bool, error) {
 	id := t.identity()
 	if st, err := t.r.Lock.Get(ctx); err != nil {
 		return false, err
 	} else if st.Holder == "" {
-		if older, err := t.olderWaiter(ctx); err != nil {
+		if older, err := t.olderInQueue(ctx); err != nil {
 			return false, err
 		} else if older != "" {
-			t.wait(older, "an older operation, "+older+", waits for the cluster lock and goes first")
+			t.wait(older, "an older operation, "+older+", goes first")
 			return false, nil
 		}
 	}
 	res, err := t.r.Lock.Acquire(ctx, id)
-	if errors.Is(err, lock.ErrConflict) {
-		return false, err
-	}
 	if err != nil {
 		return false, err
 	}
@@ -352,22 +348,35 @@ func (t *turn) identity() string {
 	return ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
 }
 
-func (t *turn) olderWaiter(ctx context.Context) (string, error) {
+// olderInQueue names the oldest operation created before this one that
+// wants the lock too: not finished, failed, deleted or paused by an operator.
+func (t *turn) olderInQueue(ctx context.Context) (string, error) {
 	var ops ichorv1.TalosOperationList
 	if err := t.r.Client.List(ctx, &ops); err != nil {
 		return "", fmt.Errorf("list operations: %w", err)
 	}
 	me := t.persisted
-	for _, o := range ops.Items {
-		if o.UID == me.UID || !o.WaitingForLock() || !o.DeletionTimestamp.IsZero() || o.Spec.Paused {
+	older := func(o *ichorv1.TalosOperation) bool {
+		if o.CreationTimestamp.Equal(&me.CreationTimestamp) {
+			return o.Namespace+"/"+o.Name < me.Namespace+"/"+me.Name
+		}
+		return o.CreationTimestamp.Before(&me.CreationTimestamp)
+	}
+	var first *ichorv1.TalosOperation
+	for i := range ops.Items {
+		o := &ops.Items[i]
+		if o.UID == me.UID || !older(o) || !o.DeletionTimestamp.IsZero() || o.Spec.Paused ||
+			o.Succeeded() || o.Refused() || o.StepFailed() || t.r.Executors[o.Spec.Kind] == nil {
 			continue
 		}
-		if o.CreationTimestamp.Before(&me.CreationTimestamp) ||
-			(o.CreationTimestamp.Equal(&me.CreationTimestamp) && o.Namespace+"/"+o.Name < me.Namespace+"/"+me.Name) {
-			return ichorv1.OperationIdentity(o.Namespace, o.Name), nil
+		if first == nil || o.CreationTimestamp.Before(&first.CreationTimestamp) {
+			first = o
 		}
 	}
-	return "", nil
+	if first == nil {
+		return "", nil
+	}
+	return ichorv1.OperationIdentity(first.Namespace, first.Name), nil
 }
 
 // advance evaluates Wait steps, starts machines the plan allows, and

@@ -3,14 +3,11 @@ package operation_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -18,11 +15,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
-	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -59,60 +56,17 @@ func newClusterWithoutTalosconfig(t testing.TB, spec sim.Spec) *cluster {
 // newClusterIn is newCluster without the Secret, with the controller in ctrlNS.
 func newClusterIn(t testing.TB, spec sim.Spec, ctrlNS string) *cluster {
 	t.Helper()
-	ctx := context.Background()
 	c := &cluster{t: t, ns: env.Namespace(t), ctrlNS: ctrlNS}
-	if spec.Name == "" {
-		spec.Name = "f" + strings.TrimPrefix(c.ns, "t")
-		spec.Name = spec.Name[:min(len(spec.Name), 12)]
-	}
-	spec.Logf = t.Logf
-	fleet, err := sim.Start(ctx, spec, env.Kube)
-	if err != nil {
-		t.Fatalf("start fleet: %v", err)
-	}
-	c.fleet = fleet
-	t.Cleanup(c.cleanup)
+	c.fleet = testcluster.StartFleet(t, env, spec, c.ns)
 	return c
 }
 
-func (c *cluster) writeTalosconfig() {
-	data, err := c.fleet.Talosconfig().Bytes()
-	if err != nil {
-		c.t.Fatal(err)
-	}
-	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: ichorv1.TalosconfigSecret},
-		Data: map[string][]byte{ichorv1.TalosconfigKey: data}}
-	if err := env.Client.Create(context.Background(), secret); err != nil {
-		c.t.Fatal(err)
-	}
-}
+func (c *cluster) writeTalosconfig() { testcluster.WriteTalosconfig(c.t, env, c.fleet, c.ctrlNS) }
 
-// cleanup deletes the test's operations (finalizers and all) and the
-// fleet's Nodes, then stops the fleet.
-func (c *cluster) cleanup() {
-	ctx := context.Background()
-	var ops ichorv1.TalosOperationList
-	if err := env.Client.List(ctx, &ops, client.InNamespace(c.ns)); err == nil {
-		for i := range ops.Items {
-			op := &ops.Items[i]
-			_ = env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
-			_ = env.Client.Delete(ctx, op)
-		}
-	}
-	c.fleet.Stop()
-	_ = env.Client.DeleteAllOf(ctx, &corev1.Node{})
-	testenv.Eventually(c.t, 30*time.Second, "the fleet's Nodes to be gone", func(ctx context.Context) (bool, error) {
-		var nodes corev1.NodeList
-		err := env.Client.List(ctx, &nodes)
-		return err == nil && len(nodes.Items) == 0, err
-	})
-}
-
-// controller is one running ichor-controller.
+// controller is one running ichor-controller, with the steps it ran.
 type controller struct {
-	cancel context.CancelFunc
-	done   chan error
-	steps  *stepCounter
+	*testcluster.Controller
+	steps *stepCounter
 }
 
 type controllerOption func(*app.Options, **rest.Config)
@@ -139,54 +93,12 @@ func withLeaderElection() controllerOption {
 func (c *cluster) start(opts ...controllerOption) *controller {
 	c.t.Helper()
 	steps := &stepCounter{counts: map[string]int{}}
-	o := app.Options{
-		Namespace: c.ctrlNS, MetricsAddr: "0", ProbeAddr: "0", Version: "v0.0.0-test",
-		Executors: countingRegistry(executor.Default(), steps),
-		Log: zap.New(zap.WriteTo(logSink(c.t)), zap.UseDevMode(true), func(o *zap.Options) {
-			o.TimeEncoder = zapcore.RFC3339NanoTimeEncoder
-		}),
-	}
+	o := app.Options{Namespace: c.ctrlNS, Executors: countingRegistry(executor.Default(), steps)}
 	cfg := rest.CopyConfig(env.Config)
 	for _, opt := range opts {
 		opt(&o, &cfg)
 	}
-	mgr, err := app.New(cfg, o)
-	if err != nil {
-		c.t.Fatalf("new controller: %v", err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	ctl := &controller{cancel: cancel, done: make(chan error, 1), steps: steps}
-	go func() { ctl.done <- mgr.Start(ctx) }()
-	c.t.Cleanup(ctl.stop)
-	return ctl
-}
-
-// stop stops the controller and waits until it has.
-func (ctl *controller) stop() {
-	ctl.cancel()
-	<-ctl.done
-	ctl.done <- nil // later stops return at once
-}
-
-// logSink is the test's log, or the file $ICHOR_TEST_LOG (benchmarks
-// truncate their logs).
-func logSink(t testing.TB) io.Writer {
-	if path := os.Getenv("ICHOR_TEST_LOG"); path != "" {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = f.Close() })
-		return f
-	}
-	return testWriter{t}
-}
-
-type testWriter struct{ t testing.TB }
-
-func (w testWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimRight(string(p), "\n"))
-	return len(p), nil
+	return &controller{Controller: testcluster.StartController(c.t, cfg, o), steps: steps}
 }
 
 // stepCounter counts the steps a controller ran, to tell replicas apart.

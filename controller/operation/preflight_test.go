@@ -90,13 +90,15 @@ func TestOverride(t *testing.T) {
 	downgrade := talosSpec("v1.12.2")
 	downgrade.Override = true
 	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "by-operator"}, Spec: downgrade}
-	testenv.Eventually(t, 30*time.Second, "the operator to be denied override", func(ctx context.Context) (bool, error) {
-		err := operator.Create(ctx, op.DeepCopy())
-		if err == nil {
-			return false, nil
-		}
-		return strings.Contains(err.Error(), `needs verb "override" on "talosoperations"`), err
+	// The API server loads new policies asynchronously: probe with dry runs.
+	testenv.Eventually(t, 30*time.Second, "the override policy to be enforced", func(ctx context.Context) (bool, error) {
+		err := operator.Create(ctx, op.DeepCopy(), client.DryRunAll)
+		return err != nil, nil
 	})
+	err := operator.Create(ctx, op.DeepCopy())
+	if err == nil || !strings.Contains(err.Error(), `needs verb "override" on "talosoperations"`) {
+		t.Fatalf("an ichor-operator set override: %v", err)
+	}
 
 	op.Name = "by-admin"
 	if err := admin.Create(ctx, op); err != nil {

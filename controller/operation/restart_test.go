@@ -44,7 +44,7 @@ func TestControllerRestarts(t *testing.T) {
 				op := c.waitFor("upgrade", "to cross a step boundary", time.Minute, func(op *ichorv1.TalosOperation) bool {
 					return op.Succeeded() || (len(op.Status.Machines) > 0 && boundary(op) != seen)
 				})
-				ctl.stop()
+				ctl.Stop()
 				restarts++
 				if op.Failed() {
 					t.Fatalf("the operation failed after %d restarts: %s", restarts, op.Status.Message)
@@ -95,7 +95,7 @@ func TestLeaderElection(t *testing.T) {
 		t.Errorf("leader Lease version annotation %q", lease.Annotations[ichorv1.VersionAnnotation])
 	}
 
-	leader.stop()
+	leader.Stop()
 	c.create("two", rebootSpec(c.fleet.Machines()[2].Name()))
 	c.waitSucceeded("two", time.Minute)
 	if standby.steps.total() == 0 {

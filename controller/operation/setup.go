@@ -47,6 +47,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Named("talosoperation").
 		For(&ichorv1.TalosOperation{}).
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(nodeChanged())).
+		// An operation that ends, fails or goes away may let a waiting one take its turn.
+		Watches(&ichorv1.TalosOperation{}, handler.EnqueueRequestsFromMapFunc(r.waiters), builder.WithPredicates(turnChanged())).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName))).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
 		WatchesRawSource(source.Channel(r.runner.trigger, &handler.EnqueueRequestForObject{})).
@@ -70,6 +72,35 @@ func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Re
 		out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&op)})
 	}
 	return out
+}
+
+// waiters maps an event to the operations that wait for the cluster lock.
+func (r *Reconciler) waiters(ctx context.Context, changed client.Object) []reconcile.Request {
+	var ops ichorv1.TalosOperationList
+	if err := r.Client.List(ctx, &ops); err != nil {
+		r.Log.Error(err, "list operations")
+		return nil
+	}
+	var out []reconcile.Request
+	for _, op := range ops.Items {
+		if op.WaitingForLock() && op.UID != changed.GetUID() {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&op)})
+		}
+	}
+	return out
+}
+
+// turnChanged passes the operation events that can change whose turn it is.
+func turnChanged() predicate.Funcs {
+	return predicate.Funcs{
+		CreateFunc: func(event.CreateEvent) bool { return false },
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			a, okA := e.ObjectOld.(*ichorv1.TalosOperation)
+			b, okB := e.ObjectNew.(*ichorv1.TalosOperation)
+			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason ||
+				a.Spec.Paused != b.Spec.Paused || !a.DeletionTimestamp.Equal(b.DeletionTimestamp)
+		},
+	}
 }
 
 // nodeChanged passes Node events that can change what a step sees, and

@@ -1,0 +1,140 @@
+// Package testcluster puts the parts of an Ichor cluster together for
+// integration tests: a simulated Talos fleet whose Nodes live in a testenv
+// API server, the fleet's talosconfig in Secret ichor-talosconfig, and
+// ichor-controller running in-process exactly as its binary runs it.
+//
+// Nodes are cluster-scoped and the controller sees every Node, so tests
+// that use a fleet run one after another in a package; each removes its
+// Nodes and operations when it ends.
+package testcluster
+
+import (
+	"context"
+	"io"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zapcore"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/log/zap"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// StartFleet starts a fleet whose Nodes live in env, named after opsNS when
+// spec has no name. When the test ends it deletes the operations in opsNS,
+// stops the fleet and waits until its Nodes are gone.
+func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *sim.Fleet {
+	t.Helper()
+	if spec.Name == "" {
+		spec.Name = "f" + strings.TrimPrefix(opsNS, "t")
+		spec.Name = spec.Name[:min(len(spec.Name), 12)]
+	}
+	spec.Logf = t.Logf
+	fleet, err := sim.Start(context.Background(), spec, env.Kube)
+	if err != nil {
+		t.Fatalf("start fleet: %v", err)
+	}
+	t.Cleanup(func() { cleanup(t, env, fleet, opsNS) })
+	return fleet
+}
+
+func cleanup(t testing.TB, env *testenv.Env, fleet *sim.Fleet, opsNS string) {
+	ctx := context.Background()
+	var ops ichorv1.TalosOperationList
+	if err := env.Client.List(ctx, &ops, client.InNamespace(opsNS)); err == nil {
+		for i := range ops.Items {
+			op := &ops.Items[i]
+			_ = env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
+			_ = env.Client.Delete(ctx, op)
+		}
+	}
+	fleet.Stop()
+	_ = env.Client.DeleteAllOf(ctx, &corev1.Node{})
+	testenv.Eventually(t, 30*time.Second, "the fleet's Nodes to be gone", func(ctx context.Context) (bool, error) {
+		var nodes corev1.NodeList
+		err := env.Client.List(ctx, &nodes)
+		return err == nil && len(nodes.Items) == 0, err
+	})
+}
+
+// WriteTalosconfig stores the fleet's os:admin talosconfig in Secret
+// ichor-talosconfig in the controller's namespace.
+func WriteTalosconfig(t testing.TB, env *testenv.Env, fleet *sim.Fleet, ctrlNS string) {
+	t.Helper()
+	data, err := fleet.Talosconfig().Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ctrlNS, Name: ichorv1.TalosconfigSecret},
+		Data: map[string][]byte{ichorv1.TalosconfigKey: data}}
+	if err := env.Client.Create(context.Background(), secret); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Controller is an ichor-controller running in-process.
+type Controller struct {
+	cancel context.CancelFunc
+	done   chan error
+}
+
+// StartController runs the controller with o (its namespace, executors...)
+// against cfg until the test ends or Stop is called. Metrics and probes are
+// off, and its log goes to the test (or to the file $ICHOR_TEST_LOG).
+func StartController(t testing.TB, cfg *rest.Config, o app.Options) *Controller {
+	t.Helper()
+	o.MetricsAddr, o.ProbeAddr = "0", "0"
+	if o.Version == "" {
+		o.Version = "v0.0.0-test"
+	}
+	o.Log = zap.New(zap.WriteTo(LogSink(t)), zap.UseDevMode(true), func(zo *zap.Options) {
+		zo.TimeEncoder = zapcore.RFC3339NanoTimeEncoder
+	})
+	mgr, err := app.New(cfg, o)
+	if err != nil {
+		t.Fatalf("new controller: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ctl := &Controller{cancel: cancel, done: make(chan error, 1)}
+	go func() { ctl.done <- mgr.Start(ctx) }()
+	t.Cleanup(ctl.Stop)
+	return ctl
+}
+
+// Stop stops the controller and waits until it has.
+func (c *Controller) Stop() {
+	c.cancel()
+	<-c.done
+	c.done <- nil // later stops return at once
+}
+
+// LogSink is the test's log, or the file $ICHOR_TEST_LOG (benchmarks
+// truncate their logs).
+func LogSink(t testing.TB) io.Writer {
+	if path := os.Getenv("ICHOR_TEST_LOG"); path != "" {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		return f
+	}
+	return testWriter{t}
+}
+
+type testWriter struct{ t testing.TB }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
