@@ -50,14 +50,7 @@ func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *si
 
 func cleanup(t testing.TB, env *testenv.Env, fleet *sim.Fleet, opsNS string) {
 	ctx := context.Background()
-	var ops ichorv1.TalosOperationList
-	if err := env.Client.List(ctx, &ops, client.InNamespace(opsNS)); err == nil {
-		for i := range ops.Items {
-			op := &ops.Items[i]
-			_ = env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
-			_ = env.Client.Delete(ctx, op)
-		}
-	}
+	DeleteOperations(env, client.InNamespace(opsNS))
 	fleet.Stop()
 	_ = env.Client.DeleteAllOf(ctx, &corev1.Node{})
 	testenv.Eventually(t, 30*time.Second, "the fleet's Nodes to be gone", func(ctx context.Context) (bool, error) {
@@ -65,6 +58,21 @@ func cleanup(t testing.TB, env *testenv.Env, fleet *sim.Fleet, opsNS string) {
 		err := env.Client.List(ctx, &nodes)
 		return err == nil && len(nodes.Items) == 0, err
 	})
+}
+
+// DeleteOperations deletes operations, finalizers and all: a controller
+// started next must not see operations an earlier test left behind.
+func DeleteOperations(env *testenv.Env, opts ...client.ListOption) {
+	ctx := context.Background()
+	var ops ichorv1.TalosOperationList
+	if err := env.Client.List(ctx, &ops, opts...); err != nil {
+		return
+	}
+	for i := range ops.Items {
+		op := &ops.Items[i]
+		_ = env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`)))
+		_ = env.Client.Delete(ctx, op)
+	}
 }
 
 // WriteTalosconfig stores the fleet's os:admin talosconfig in Secret
