@@ -3,14 +3,25 @@ SHELL := /usr/bin/env bash
 .SHELLFLAGS := -euo pipefail -c
 
 BIN := $(CURDIR)/bin
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo v0.0.0-dev)
+# git describe of the newest v* tag, or v0.0.0-g<commit> before the first (hack/version.sh).
+ifndef VERSION
+VERSION := $(shell hack/version.sh)
+endif
 LDFLAGS := -X maesh.dev/ichor/internal/version.Version=$(VERSION)
 CONTROLLER_GEN := $(BIN)/controller-gen
 # Integration tests share one API server per package; keep the two cores for them.
 TEST_FLAGS ?= -p 2 -timeout 30m
 PKGS ?= ./...
 
-.PHONY: all build generate test bench lint envtest-assets clean
+# The controller image (Dockerfile) and the engine that builds it.
+IMAGE ?= ghcr.io/maesh-dev/ichor-controller
+CONTAINER_ENGINE ?= docker
+# Flags of the sandbox and the demo, like SANDBOX_FLAGS="--workers 5 --pace 2s".
+SANDBOX_FLAGS ?=
+# Archived files carry the commit's time, so one commit packs the same bytes.
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+
+.PHONY: all build generate test bench lint envtest-assets clean sandbox demo image dist release
 
 all: build
 
@@ -43,6 +54,27 @@ bench: ## Run the benchmarks and print their ratios against the budgets.
 lint: ## go vet and a gofmt check.
 	go vet ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "not gofmt-formatted:"; echo "$$out"; exit 1; fi
+
+sandbox: build ## Run Ichor on this machine until Ctrl-C: API server, simulated Talos machines, controller.
+	@assets=$$(hack/envtest-assets.sh); \
+	go build -ldflags "$(LDFLAGS)" -o $(BIN)/ichor-sandbox ./hack/sandbox; \
+	KUBEBUILDER_ASSETS=$$assets exec $(BIN)/ichor-sandbox $(SANDBOX_FLAGS)
+
+demo: build ## The sandbox and a scripted walk-through with kubectl ichor; exits 0 only if every step behaved.
+	@assets=$$(hack/envtest-assets.sh); \
+	go build -ldflags "$(LDFLAGS)" -o $(BIN)/ichor-sandbox ./hack/sandbox; \
+	KUBEBUILDER_ASSETS=$$assets exec $(BIN)/ichor-sandbox --demo --plugin-dir $(BIN) $(SANDBOX_FLAGS)
+
+image: ## Build the controller image $(IMAGE):$(VERSION) with docker or podman (not in the tests: no engine runs here).
+	@command -v $(CONTAINER_ENGINE) >/dev/null || { echo "make image needs a container engine: install docker, or run with CONTAINER_ENGINE=podman"; exit 1; }
+	$(CONTAINER_ENGINE) build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+
+dist: ## Cross-build kubectl-ichor archives and checksums into dist/, render krew/ichor.yaml, check both with krew.
+	@tools=$$(hack/krew-tools.sh); rm -rf dist; \
+	go run ./hack/dist -version $(VERSION) -out dist -mtime $(SOURCE_DATE_EPOCH) -krew-tools $$tools
+
+release: ## Check the version and print the steps of a release (make release VERSION=vX.Y.Z).
+	@hack/release.sh $(VERSION)
 
 clean: ## Remove build output (the envtest cache outside the checkout stays).
 	rm -rf $(BIN) dist .ichor-sandbox
