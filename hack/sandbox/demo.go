@@ -223,25 +223,29 @@ func (d *demo) secondOperation(ctx context.Context) error {
 func (d *demo) fault(ctx context.Context) error {
 	w := d.faulty()
 	d.heading("A fault: the Talos upgrade call on " + w + " will fail")
-	op, err := d.get(ctx, upgradeName)
-	if err != nil {
-		return err
-	}
-	if m := machineEntry(op, w); m == nil || m.Phase != ichorv1.MachinePending {
-		return fmt.Errorf("the upgrade reached %s before the fault could be set (entry %+v): run the demo with a slower --pace", w, m)
-	}
 	if _, err := d.run(ctx, 0, "kubectl", "annotate", "node", w, sim.FaultAnnotation+"="+faultValue); err != nil {
 		return err
 	}
 	m := d.sb.Fleet.Machine(w)
-	return d.poll(ctx, "the simulated "+w+" to take the fault "+faultValue, d.short, func(context.Context) (bool, error) {
+	if err := d.poll(ctx, "the simulated "+w+" to take the fault "+faultValue, d.short, func(context.Context) (bool, error) {
 		for _, f := range m.Faults() {
 			if f.String() == faultValue {
 				return true, nil
 			}
 		}
 		return false, nil
-	})
+	}); err != nil {
+		return err
+	}
+	// Only if the upgrade has not started on the machine yet is it sure to meet the fault.
+	op, err := d.get(ctx, upgradeName)
+	if err != nil {
+		return err
+	}
+	if e := machineEntry(op, w); e == nil || e.Phase != ichorv1.MachinePending {
+		return fmt.Errorf("the upgrade reached %s before the fault was set (its entry: %+v): run the demo with a slower --pace", w, e)
+	}
+	return nil
 }
 
 // 5. The upgrade reaches the faulty machine and pauses; watch says so.

@@ -113,6 +113,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver and etcd, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, ichor-controller...\n",
 		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes)
 	sb, err := Start(ctx, o.config)
+	if ctx.Err() != nil {
+		fmt.Fprintln(stderr, "interrupted while starting; everything it started is stopped")
+		if sb != nil {
+			sb.Stop()
+		}
+		return 130
+	}
 	if err != nil {
 		fmt.Fprintln(stderr, "error:", err)
 		return 1
@@ -161,7 +168,7 @@ Make a machine misbehave with the annotation %s on its Node
   kubectl ichor retry NAME
 
 Faults: error:METHOD[:CODE][:once], hang:METHOD, rollback[:once], no-return,
-etcd-unhealthy, alarm[:NOSPACE|CORRUPT]; several are separated by commas.
+etcd-unhealthy, alarm[:NOSPACE|CORRUPT], comma-separated (sim/README.md).
 The machines log what happens to them in %s.
 
 Ctrl-C stops everything and removes %s.
