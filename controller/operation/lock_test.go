@@ -78,9 +78,7 @@ spec: {kind: node, node: {machine: %[2]s, action: reboot}}
 	if o := c.fleet.Recorder().Overlaps(); len(o) > 0 {
 		t.Errorf("disruptive actions overlapped: %+v", o)
 	}
-	if h := c.lockHolder(); h.Holder != "" {
-		t.Errorf("lock still held by %q after both finished", h.Holder)
-	}
+	c.waitLockHolder("")
 }
 
 func entryOf(op *ichorv1.TalosOperation, name string) *ichorv1.MachineStatus {

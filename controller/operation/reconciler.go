@@ -103,6 +103,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err != nil {
 		return ctrl.Result{}, err
 	}
+	if t.op.Succeeded() || t.op.Refused() {
+		// Let the next operation in at once, not a watch round trip later.
+		return ctrl.Result{}, r.release(ctx, t.op)
+	}
 	t.launch(ctx)
 	return result, nil
 }
