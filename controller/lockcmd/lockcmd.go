@@ -35,8 +35,10 @@ type options struct {
 }
 
 // New returns the `lock` command.
-func New() *cobra.Command {
-	o := &options{recheck: 5 * time.Second}
+func New() *cobra.Command { return newCommand(&options{recheck: 5 * time.Second}) }
+
+// newCommand builds the command around o; tests hand in a client.
+func newCommand(o *options) *cobra.Command {
 	cmd := &cobra.Command{Use: "lock", Short: "Take, release or show the cluster lock"}
 	acquire := &cobra.Command{
 		Use:   "acquire --identity job/<namespace>/<name>",
