@@ -2,6 +2,7 @@ package operation
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -37,7 +38,7 @@ var (
 )
 
 func init() {
-	metrics.Registry.MustRegister(stepDuration, stepFailures, lockHeldSeconds, lockHeld, statusWrites)
+	metrics.Registry.MustRegister(stepDuration, stepFailures, lockHeldSeconds, lockHeld, statusWrites, phases)
 }
 
 func observeStep(kind ichorv1.OperationKind, step string, took time.Duration, err error) {
@@ -55,24 +56,27 @@ func observeStep(kind ichorv1.OperationKind, step string, took time.Duration, er
 }
 
 // phaseCollector reports operations by kind and phase from the cache at
-// scrape time, so the gauge can never drift from the objects.
+// scrape time, so the gauge can never drift from the objects. It reads
+// through the latest manager's cache (tests start several in one process).
 type phaseCollector struct {
-	client client.Reader
+	client atomic.Pointer[client.Reader]
 	desc   *prometheus.Desc
 }
 
-func newPhaseCollector(c client.Reader) *phaseCollector {
-	return &phaseCollector{client: c, desc: prometheus.NewDesc("ichor_operations",
-		"TalosOperations by kind and phase.", []string{"kind", "phase"}, nil)}
-}
+var phases = &phaseCollector{desc: prometheus.NewDesc("ichor_operations",
+	"TalosOperations by kind and phase.", []string{"kind", "phase"}, nil)}
 
 func (p *phaseCollector) Describe(ch chan<- *prometheus.Desc) { ch <- p.desc }
 
 func (p *phaseCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
+	r := p.client.Load()
+	if r == nil {
+		return
+	}
 	var ops ichorv1.TalosOperationList
-	if err := p.client.List(ctx, &ops); err != nil {
+	if err := (*r).List(ctx, &ops); err != nil {
 		return
 	}
 	counts := map[[2]string]int{}

@@ -90,6 +90,7 @@ func TestFailureAndRetry(t *testing.T) {
 	if !found {
 		t.Errorf("no Retrying Event")
 	}
+	checkMetrics(t)
 }
 
 // TestRetryWithKubectlAnnotate is the specification's own recipe, with

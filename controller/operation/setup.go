@@ -16,7 +16,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
-	"sigs.k8s.io/controller-runtime/pkg/metrics"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/source"
@@ -36,9 +35,8 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	if err := mgr.Add(r.runner); err != nil {
 		return err
 	}
-	if err := metrics.Registry.Register(newPhaseCollector(mgr.GetClient())); err != nil {
-		r.Log.V(1).Info("operations collector already registered", "err", err)
-	}
+	reader := client.Reader(mgr.GetClient())
+	phases.client.Store(&reader)
 	ns := r.Lock.Namespace
 	inNamespace := func(name string) predicate.Funcs {
 		return predicate.NewPredicateFuncs(func(o client.Object) bool { return o.GetNamespace() == ns && o.GetName() == name })
