@@ -2,6 +2,7 @@
 # The ichor-controller image: one static binary on a distroless base, run as
 # a non-root user. `make image` builds it (docker or podman):
 #   docker build --build-arg VERSION=v0.1.0 -t ghcr.io/maesh-dev/ichor-controller:v0.1.0 .
+# It needs BuildKit (cache mounts): docker buildx, DOCKER_BUILDKIT=1 or podman.
 # Multi-arch, as a release does it:
 #   docker buildx build --platform linux/amd64,linux/arm64 --build-arg VERSION=v0.1.0 \
 #     -t ghcr.io/maesh-dev/ichor-controller:v0.1.0 --push .

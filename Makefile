@@ -67,7 +67,7 @@ demo: build ## The sandbox and a scripted walk-through with kubectl ichor; exits
 
 image: ## Build the controller image $(IMAGE):$(VERSION) with docker or podman (not in the tests: no engine runs here).
 	@command -v $(CONTAINER_ENGINE) >/dev/null || { echo "make image needs a container engine: install docker, or run with CONTAINER_ENGINE=podman"; exit 1; }
-	$(CONTAINER_ENGINE) build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+	DOCKER_BUILDKIT=1 $(CONTAINER_ENGINE) build --build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
 
 dist: ## Cross-build kubectl-ichor archives and checksums into dist/, render krew/ichor.yaml, check both with krew.
 	@tools=$$(hack/krew-tools.sh); rm -rf dist; \
