@@ -297,13 +297,23 @@ func (t *turn) pause(reason, msg string) {
 // in creation order: a newer one leaves it to an older one that wants it.
 func (t *turn) acquire(ctx context.Context) (bool, error) {
 	id := t.identity()
-	if st, err := t.r.Lock.Get(ctx); err != nil {
+	st, err := t.r.Lock.Get(ctx)
+	if err != nil {
 		return false, err
-	} else if st.Holder == "" {
-		if older, err := t.olderInQueue(ctx); err != nil {
+	}
+	if st.Holder != id {
+		// Whether the lock is free, held, or held by someone stale: an
+		// older operation that wants it too goes first.
+		older, err := t.olderInQueue(ctx)
+		if err != nil {
 			return false, err
-		} else if older != "" {
-			t.wait(older, "an older operation, "+older+", goes first")
+		}
+		if older != "" {
+			holder := st.Holder
+			if holder == "" {
+				holder = older
+			}
+			t.wait(holder, "waiting for the cluster lock: the older operation "+older+" goes first")
 			return false, nil
 		}
 	}
@@ -315,8 +325,8 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 		t.wait(res.Holder, fmt.Sprintf("waiting for the cluster lock, held by %s since %s", res.Holder, res.Since.UTC().Format(time.RFC3339)))
 		return false, nil
 	}
-	st := &t.op.Status
-	if st.Lock != ichorv1.LockHeld {
+	status := &t.op.Status
+	if status.Lock != ichorv1.LockHeld {
 		lockHeld.Set(1)
 		if res.TookOver != "" {
 			t.event(corev1.EventTypeNormal, "LockTakenOver", "took the cluster lock over from %s", res.TookOver)
@@ -324,7 +334,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 			t.event(corev1.EventTypeNormal, "LockAcquired", "holds the cluster lock as %s", id)
 		}
 	}
-	st.Lock, st.LockHolder = ichorv1.LockHeld, ""
+	status.Lock, status.LockHolder = ichorv1.LockHeld, ""
 	return true, nil
 }
 

@@ -35,8 +35,8 @@ func rebootSpec(machine string) ichorv1.TalosOperationSpec {
 // them; the second waits, Paused with ClusterLockHeld naming the first.
 func TestOperationsTakeTurns(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 2))
-	// A slow enough first operation that the second sees it hold the lock.
-	w1 := c.fleet.Machines()[1].Name()
+	// A slow enough first operation that the others see it hold the lock.
+	cp1, w1, w2 := c.fleet.Machines()[0].Name(), c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
 	release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
 	c.start()
 	manifest := fmt.Sprintf(`apiVersion: ichor.maesh.dev/v1alpha1
@@ -48,7 +48,12 @@ apiVersion: ichor.maesh.dev/v1alpha1
 kind: TalosOperation
 metadata: {name: b-reboot, namespace: %[1]s}
 spec: {kind: node, node: {machine: %[2]s, action: reboot}}
-`, c.ns, w1)
+---
+apiVersion: ichor.maesh.dev/v1alpha1
+kind: TalosOperation
+metadata: {name: c-reboot, namespace: %[1]s}
+spec: {kind: node, node: {machine: %[3]s, action: reboot}}
+`, c.ns, w2, cp1)
 	path := filepath.Join(t.TempDir(), "ops.yaml")
 	if err := os.WriteFile(path, []byte(manifest), 0o600); err != nil {
 		t.Fatal(err)
@@ -72,8 +77,17 @@ spec: {kind: node, node: {machine: %[2]s, action: reboot}}
 	release()
 	a := c.waitSucceeded("a-upgrade", time.Minute)
 	b = c.waitSucceeded("b-reboot", time.Minute)
-	if b.Status.StartTime.Before(a.Status.CompletionTime) {
-		t.Errorf("b-reboot started at %s, before a-upgrade completed at %s", b.Status.StartTime, a.Status.CompletionTime)
+	cOp := c.waitSucceeded("c-reboot", time.Minute)
+	if b.Status.StartTime.Before(a.Status.CompletionTime) || cOp.Status.StartTime.Before(b.Status.CompletionTime) {
+		t.Errorf("not one after the other: a done %s, b %s-%s, c from %s", a.Status.CompletionTime, b.Status.StartTime, b.Status.CompletionTime, cOp.Status.StartTime)
+	}
+	// Waiters go in creation order: b's reboot before c's.
+	last := func(m string) time.Time {
+		acts := c.fleet.Recorder().Actions(m)
+		return acts[len(acts)-1].Start
+	}
+	if !last(w2).Before(last(cp1)) {
+		t.Errorf("c-reboot (%s) went before b-reboot (%s)", last(cp1), last(w2))
 	}
 	if o := c.fleet.Recorder().Overlaps(); len(o) > 0 {
 		t.Errorf("disruptive actions overlapped: %+v", o)
