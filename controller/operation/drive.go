@@ -169,11 +169,10 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	}
 	if next == "" {
 		now := metav1.NewTime(t.r.now())
+		// No message unless the step left one: from and to say it, and
+		// 5,000 machines must fit in one object.
 		m.Phase, m.Step, m.FinishedAt, m.BootID = ichorv1.MachineSucceeded, "", &now, ""
-		if m.Message == "" && m.To != "" {
-			m.Message = fmt.Sprintf("%s -> %s", m.From, m.To)
-		}
-		t.event(corev1.EventTypeNormal, "MachineSucceeded", "%s: done (%s)", m.Name, orDash(m.Message))
+		t.event(corev1.EventTypeNormal, "MachineSucceeded", "%s: done (%s -> %s)", m.Name, orDash(m.From), orDash(m.To))
 		return
 	}
 	m.Step = next
