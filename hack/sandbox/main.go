@@ -145,7 +145,7 @@ func printUsage(w io.Writer, sb *Sandbox) {
 	machines := sb.Fleet.Machines()
 	first, last := machines[0].Name(), machines[len(machines)-1].Name()
 	fmt.Fprintf(w, `
-The Ichor sandbox is up (ready). Everything listens on 127.0.0.1 and stays up until Ctrl-C.
+The Ichor sandbox is up (ready). Everything listens on loopback and stays up until Ctrl-C.
 
   API server     %s (kube-apiserver and etcd built by make envtest-assets)
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
