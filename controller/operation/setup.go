@@ -57,32 +57,29 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 // active maps any event to the operations that are not finished.
 func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
-	var ops ichorv1.TalosOperationList
-	if err := r.Client.List(ctx, &ops); err != nil {
-		r.Log.Error(err, "list operations")
-		return nil
-	}
-	var out []reconcile.Request
-	for _, op := range ops.Items {
-		if op.Succeeded() || (op.Refused() && !op.Spec.Override) {
-			continue
-		}
-		out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&op)})
-	}
-	return out
+	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
+		return !op.Succeeded() && (!op.Refused() || op.Spec.Override)
+	})
 }
 
-// waiters maps an event to the operations that wait for the cluster lock.
+// waiters maps an event to the other operations that wait for the cluster lock.
 func (r *Reconciler) waiters(ctx context.Context, changed client.Object) []reconcile.Request {
+	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
+		return op.WaitingForLock() && op.UID != changed.GetUID()
+	})
+}
+
+// requests lists the operations (from the cache) that match.
+func (r *Reconciler) requests(ctx context.Context, match func(*ichorv1.TalosOperation) bool) []reconcile.Request {
 	var ops ichorv1.TalosOperationList
 	if err := r.Client.List(ctx, &ops); err != nil {
 		r.Log.Error(err, "list operations")
 		return nil
 	}
 	var out []reconcile.Request
-	for _, op := range ops.Items {
-		if op.WaitingForLock() && op.UID != changed.GetUID() {
-			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&op)})
+	for i := range ops.Items {
+		if match(&ops.Items[i]) {
+			out = append(out, reconcile.Request{NamespacedName: client.ObjectKeyFromObject(&ops.Items[i])})
 		}
 	}
 	return out
