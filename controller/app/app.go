@@ -141,6 +141,7 @@ func cacheOptions(ns string) cache.Options {
 				Field:      fields.OneTermEqualSelector("metadata.name", ichorv1.TalosconfigSecret),
 			},
 			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{ns: {}}},
+			&corev1.Node{}:          {Transform: slimNode},
 			// Only the API server's static pods, whose image tags are the
 			// control plane's Kubernetes version; drains list pods live.
 			&corev1.Pod{}: {
@@ -149,6 +150,16 @@ func cacheOptions(ns string) cache.Options {
 			},
 		},
 	}
+}
+
+// slimNode drops what Ichor never reads from a Node and what makes most of
+// a real Node's size: the images on it and its volumes.
+func slimNode(obj any) (any, error) {
+	if n, ok := obj.(*corev1.Node); ok {
+		n.ManagedFields = nil
+		n.Status.Images, n.Status.VolumesInUse, n.Status.VolumesAttached = nil, nil, nil
+	}
+	return obj, nil
 }
 
 func orDefault(s, d string) string {

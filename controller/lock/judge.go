@@ -89,7 +89,7 @@ func (j ClusterJudge) staleMachine(ctx context.Context, name string) (bool, stri
 
 func (j ClusterJudge) resetInProgress(ctx context.Context, machine string) (bool, error) {
 	var ops ichorv1.TalosOperationList
-	if err := j.Client.List(ctx, &ops); err != nil {
+	if err := j.Client.List(ctx, &ops, client.UnsafeDisableDeepCopy); err != nil {
 		return false, err
 	}
 	for _, op := range ops.Items {

@@ -112,7 +112,7 @@ func (r *Reconciler) take(ctx context.Context, id string, node *corev1.Node, wha
 // wait for it: joining or being removed.
 func (r *Reconciler) pending(ctx context.Context, _ client.Object) []reconcile.Request {
 	var nodes corev1.NodeList
-	if err := r.Client.List(ctx, &nodes, client.HasLabels{ichorv1.ControlPlaneLabel}); err != nil {
+	if err := r.Client.List(ctx, &nodes, client.HasLabels{ichorv1.ControlPlaneLabel}, client.UnsafeDisableDeepCopy); err != nil {
 		r.Log.Error(err, "list control-plane nodes")
 		return nil
 	}

@@ -2,7 +2,14 @@ package operation_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -214,4 +221,74 @@ func (c *cluster) annotate(name, key, value string) {
 	if err := env.Client.Patch(context.Background(), op, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
 		c.t.Fatal(err)
 	}
+}
+
+// BenchmarkLargeOperation runs the real ichor-controller binary, as its own
+// process, on an upgrade of 5,000 simulated machines for a while, and
+// reports its peak RSS and the size of the operation's status against the
+// budgets (256 MiB, 1 MiB).
+func BenchmarkLargeOperation(b *testing.B) {
+	const machines, rssBudget, statusBudget = 5000, 256 << 20, 1 << 20
+	bin := filepath.Join(b.TempDir(), "ichor-controller")
+	if out, err := exec.Command("go", "build", "-o", bin, "maesh.dev/ichor/controller").CombinedOutput(); err != nil {
+		b.Fatalf("build: %v\n%s", err, out)
+	}
+	for i := 0; i < b.N; i++ {
+		spec := sim.Cluster("big", 3, machines-3)
+		for j := range spec.Machines {
+			spec.Machines[j].Talos = "v1.13.2"
+		}
+		c := newCluster(b, spec)
+		cmd := exec.Command(bin, "--namespace", c.ctrlNS, "--leader-elect=false", "--metrics-bind-address", "0", "--health-probe-bind-address", "127.0.0.1:0")
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+env.Kubeconfig)
+		cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		w := watchOps(b, c.ns)
+		op := talosSpec("v1.13.7")
+		op.MaxUnavailable = 200
+		c.create("upgrade", op)
+		// Run until a few hundred machines are done: every cache is full and
+		// every machine has a status entry by then.
+		w.until(b, "upgrade", 5*time.Minute, func(op *ichorv1.TalosOperation) bool {
+			done := 0
+			for _, m := range op.Status.Machines {
+				if m.Phase == ichorv1.MachineSucceeded {
+					done++
+				}
+			}
+			return done >= 400
+		})
+		rss := peakRSS(b, cmd.Process.Pid)
+		got := c.get("upgrade")
+		size, err := json.Marshal(got)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ReportMetric(float64(rss)/rssBudget, "rss/budget")
+		b.ReportMetric(float64(len(size))/statusBudget, "status/budget")
+		b.Logf("%d machines: controller peak RSS %d MiB (%.2f of 256 MiB); operation object %d KiB (%.2f of 1 MiB)",
+			len(got.Status.Machines), rss>>20, float64(rss)/rssBudget, len(size)>>10, float64(len(size))/statusBudget)
+	}
+}
+
+// peakRSS reads a process's peak resident set size (VmHWM).
+func peakRSS(b *testing.B, pid int) int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			if err != nil {
+				b.Fatal(err)
+			}
+			return kb << 10
+		}
+	}
+	b.Fatal("no VmHWM")
+	return 0
 }

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrl "sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -361,7 +362,7 @@ func (t *turn) identity() string {
 // wants the lock too: not finished, failed, deleted or paused by an operator.
 func (t *turn) olderInQueue(ctx context.Context) (string, error) {
 	var ops ichorv1.TalosOperationList
-	if err := t.r.Client.List(ctx, &ops); err != nil {
+	if err := t.r.Client.List(ctx, &ops, client.UnsafeDisableDeepCopy); err != nil {
 		return "", fmt.Errorf("list operations: %w", err)
 	}
 	me := t.persisted

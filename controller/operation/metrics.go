@@ -76,7 +76,7 @@ func (p *phaseCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	var ops ichorv1.TalosOperationList
-	if err := (*r).List(ctx, &ops); err != nil {
+	if err := (*r).List(ctx, &ops, client.UnsafeDisableDeepCopy); err != nil {
 		return
 	}
 	counts := map[[2]string]int{}

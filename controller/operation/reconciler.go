@@ -150,7 +150,8 @@ func (t *turn) run(ctx context.Context) (ctrl.Result, error) {
 		setChecks(op, nil, false)
 	}
 	var nodes corev1.NodeList
-	if err := t.r.Client.List(ctx, &nodes); err != nil {
+	// Read-only: the cache's own objects, not 5,000 copies per turn.
+	if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
 		return ctrl.Result{}, fmt.Errorf("list nodes: %w", err)
 	}
 	t.nodes = nodes.Items

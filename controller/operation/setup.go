@@ -72,7 +72,7 @@ func (r *Reconciler) waiters(ctx context.Context, changed client.Object) []recon
 // requests lists the operations (from the cache) that match.
 func (r *Reconciler) requests(ctx context.Context, match func(*ichorv1.TalosOperation) bool) []reconcile.Request {
 	var ops ichorv1.TalosOperationList
-	if err := r.Client.List(ctx, &ops); err != nil {
+	if err := r.Client.List(ctx, &ops, client.UnsafeDisableDeepCopy); err != nil {
 		r.Log.Error(err, "list operations")
 		return nil
 	}
