@@ -11,6 +11,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -125,6 +126,20 @@ func TestOverride(t *testing.T) {
 		if m.Version() != "v1.12.2" {
 			t.Errorf("%s runs %s after the overridden downgrade", m.Name(), m.Version())
 		}
+	}
+
+	// Setting override on a Refused operation runs it that way.
+	refused := talosSpec("v1.12.1")
+	c.create("refused-first", refused)
+	c.waitFor("refused-first", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
+	if err := admin.Patch(ctx, &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "refused-first"}},
+		client.RawPatch(types.MergePatchType, []byte(`{"spec":{"override":true}}`))); err != nil {
+		t.Fatalf("an ichor-admin sets override on a refused operation: %v", err)
+	}
+	c.waitSucceeded("refused-first", time.Minute)
+	waitEvent(t, c, "refused-first", corev1.EventTypeWarning, "PreflightOverridden")
+	if v := c.fleet.Machines()[0].Version(); v != "v1.12.1" {
+		t.Errorf("runs %s after the override", v)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -125,6 +126,22 @@ func TestTalosconfigMissing(t *testing.T) {
 	cond := meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady")
 	if cond.Reason != "TalosconfigMissing" || !strings.Contains(cond.Message, "kubectl -n "+c.ctrlNS+" create secret generic ichor-talosconfig") {
 		t.Errorf("condition %+v", cond)
+	}
+	// A Secret that holds no usable talosconfig says so too.
+	secret := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: ichorv1.TalosconfigSecret},
+		Data: map[string][]byte{ichorv1.TalosconfigKey: []byte("context: nope\ncontexts: {nope: {endpoints: []}}\n")}}
+	if err := env.Client.Create(context.Background(), secret); err != nil {
+		t.Fatal(err)
+	}
+	op = c.waitFor("reboot", "to say the talosconfig is unusable", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		cond := meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady")
+		return cond != nil && cond.Reason == "TalosconfigInvalid"
+	})
+	if n := c.fleet.Recorder().Calls("", "*"); n != 0 {
+		t.Errorf("%d Talos API calls without a usable talosconfig", n)
+	}
+	if err := env.Client.Delete(context.Background(), secret); err != nil {
+		t.Fatal(err)
 	}
 	c.writeTalosconfig()
 	op = c.waitSucceeded("reboot", time.Minute)
