@@ -28,6 +28,7 @@ import (
 	"syscall"
 	"time"
 
+	"maesh.dev/ichor/internal/repo"
 	"maesh.dev/ichor/sim"
 )
 
@@ -50,7 +51,7 @@ type options struct {
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
-	root, err := repoRoot()
+	root, err := repo.Root()
 	if err != nil {
 		return options{}, err
 	}
@@ -175,22 +176,4 @@ Ctrl-C stops everything and removes %s.
 `, sb.Admin.Host, len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileController)),
 		relative(sb.Path(fileEnv)), last, sim.FaultAnnotation, last, last, sim.FaultAnnotation, last, sim.FaultAnnotation,
 		relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
-}
-
-// repoRoot finds the repository root by walking up to go.mod.
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("run the sandbox inside the Ichor repository (no go.mod above the working directory)")
-		}
-		dir = parent
-	}
 }

@@ -29,6 +29,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/repo"
 )
 
 // Kubectl is the real kubectl that tests drive; $KUBECTL overrides it.
@@ -211,22 +212,7 @@ func RunKubectl(ctx context.Context, kubeconfig string, extraEnv []string, args 
 }
 
 // RepoRoot finds the repository root by walking up to go.mod.
-func RepoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("no go.mod above the working directory")
-		}
-		dir = parent
-	}
-}
+func RepoRoot() (string, error) { return repo.Root() }
 
 func sanitize(name string) string {
 	name = strings.ToLower(name)

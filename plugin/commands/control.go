@@ -134,15 +134,7 @@ type controlOptions struct {
 func newControlCmd(e *Env, o *controlOptions, cmd *cobra.Command) *cobra.Command {
 	o.e = e
 	o.printFlags = genericclioptions.NewPrintFlags("").WithTypeSetter(Scheme)
-	cmd.RunE = func(cmd *cobra.Command, args []string) error {
-		if err := o.Complete(cmd, args); err != nil {
-			return err
-		}
-		if err := o.Validate(); err != nil {
-			return err
-		}
-		return o.Run(cmd.Context())
-	}
+	cmd.RunE = runE(o)
 	cmd.Args = cobra.MinimumNArgs(1)
 	cmdutil.AddDryRunFlag(cmd)
 	o.printFlags.AddFlags(cmd)

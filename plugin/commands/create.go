@@ -51,15 +51,7 @@ func newCreateCmd(e *Env, o *createOptions, cmd *cobra.Command, flags func(*cobr
 	o.e = e
 	o.printFlags = genericclioptions.NewPrintFlags("created").WithTypeSetter(Scheme)
 	cmd.SilenceUsage = true
-	cmd.RunE = func(cmd *cobra.Command, args []string) error {
-		if err := o.Complete(cmd, args); err != nil {
-			return err
-		}
-		if err := o.Validate(); err != nil {
-			return err
-		}
-		return o.Run(cmd.Context())
-	}
+	cmd.RunE = runE(o)
 	if flags != nil {
 		flags(cmd)
 	}

@@ -4,6 +4,7 @@
 package commands
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -295,4 +296,24 @@ func (e *Env) UseColor(w io.Writer) bool {
 		return false
 	}
 	return e.IsTerminal(w)
+}
+
+// completeValidateRun is the Complete/Validate/Run pattern of kubectl's commands.
+type completeValidateRun interface {
+	Complete(cmd *cobra.Command, args []string) error
+	Validate() error
+	Run(ctx context.Context) error
+}
+
+// runE runs an options struct's Complete, Validate and Run in order.
+func runE(o completeValidateRun) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		if err := o.Complete(cmd, args); err != nil {
+			return err
+		}
+		if err := o.Validate(); err != nil {
+			return err
+		}
+		return o.Run(cmd.Context())
+	}
 }
