@@ -70,26 +70,32 @@ func (t *turn) selected() ([]corev1.Node, error) {
 	return out, nil
 }
 
+// node returns the machine's Node (nil if gone), from an index built once per turn.
 func (t *turn) node(name string) *corev1.Node {
-	for i := range t.nodes {
-		if t.nodes[i].Name == name {
-			return &t.nodes[i]
+	if t.byName == nil {
+		t.byName = make(map[string]*corev1.Node, len(t.nodes))
+		for i := range t.nodes {
+			t.byName[t.nodes[i].Name] = &t.nodes[i]
 		}
 	}
-	return nil
+	return t.byName[name]
 }
 
+// controlPlanes are the Talos addresses of every control plane, computed once per turn.
 func (t *turn) controlPlanes() []string {
-	var out []string
+	if t.cps != nil {
+		return t.cps
+	}
+	t.cps = []string{}
 	for i := range t.nodes {
 		if machine.Role(&t.nodes[i]) == ichorv1.RoleControlPlane {
 			if a := machine.Address(&t.nodes[i]); a != "" {
-				out = append(out, a)
+				t.cps = append(t.cps, a)
 			}
 		}
 	}
-	sort.Strings(out)
-	return out
+	sort.Strings(t.cps)
+	return t.cps
 }
 
 // preflight runs the version checks and the kind's own. It returns false

@@ -119,7 +119,9 @@ type turn struct {
 	op        *ichorv1.TalosOperation
 	log       logr.Logger
 	exec      executor.Executor
-	nodes     []corev1.Node // every Node, by name order of the cache
+	nodes     []corev1.Node // every Node, as the cache has them (read-only)
+	byName    map[string]*corev1.Node
+	cps       []string
 	talos     *talosclient.Client
 	// dropRetry removes the retry annotation once status is written.
 	dropRetry bool
