@@ -2,7 +2,11 @@ package operation_test
 
 import (
 	"context"
+
 	"fmt"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"os"
 	"path/filepath"
 	"testing"
@@ -213,4 +217,38 @@ func waitGone(t *testing.T, ns, name string) {
 		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &ichorv1.TalosOperation{})
 		return notFound(err), nil
 	})
+}
+
+// TestJobHolder: an operation waits behind a Job that holds the lock (the
+// Cilium Helm Job does) and starts when the Job finishes.
+func TestJobHolder(t *testing.T) {
+	ctx := context.Background()
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "cilium-helm"}, Spec: batchv1.JobSpec{
+		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
+	if err := env.Client.Create(ctx, job); err != nil {
+		t.Fatal(err)
+	}
+	id := ichorv1.JobIdentity(c.ns, job.Name)
+	l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
+	if res, err := l.Acquire(ctx, id); err != nil || !res.Acquired {
+		t.Fatalf("the Job takes the lock: %+v %v", res, err)
+	}
+	c.start()
+	c.create("reboot", rebootSpec(c.fleet.Machines()[1].Name()))
+	c.waitFor("reboot", "to wait for the Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Reason == ichorv1.ReasonClusterLockHeld && op.Status.LockHolder == id
+	})
+	now := metav1.Now()
+	job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
+		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
+	if err := env.Client.Status().Update(ctx, job); err != nil {
+		t.Fatal(err)
+	}
+	c.waitSucceeded("reboot", time.Minute)
+	if st := c.lockHolder(); st.TakenOverFrom != id+" (finished)" {
+		t.Errorf("takeover note %q", st.TakenOverFrom)
+	}
 }

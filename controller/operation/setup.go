@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
@@ -49,6 +50,10 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&ichorv1.TalosOperation{}, handler.EnqueueRequestsFromMapFunc(r.waiters), builder.WithPredicates(turnChanged())).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName))).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
+		// A Job holding the lock (the Cilium Helm Job) is stale once it
+		// finishes or goes: its changes wake the waiters. Metadata is enough
+		// to notice a change, and keeps every Job of the cluster out of memory.
+		Watches(&batchv1.Job{}, handler.EnqueueRequestsFromMapFunc(r.jobHolder), builder.OnlyMetadata).
 		WatchesRawSource(source.Channel(r.runner.trigger, &handler.EnqueueRequestForObject{})).
 		// Several managers run in one process in tests (replicas, restarts).
 		WithOptions(controller.Options{MaxConcurrentReconciles: 4, SkipNameValidation: ptr.To(true)}).
@@ -60,6 +65,16 @@ func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Re
 	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
 		return !op.Succeeded() && (!op.Refused() || op.Spec.Override)
 	})
+}
+
+// jobHolder maps a change of a Job to the waiting operations when that Job
+// holds the cluster lock.
+func (r *Reconciler) jobHolder(ctx context.Context, job client.Object) []reconcile.Request {
+	st, err := r.Lock.Get(ctx)
+	if err != nil || st.Holder != ichorv1.JobIdentity(job.GetNamespace(), job.GetName()) {
+		return nil
+	}
+	return r.waiters(ctx, job)
 }
 
 // waiters maps an event to the other operations that wait for the cluster lock.
