@@ -7,6 +7,7 @@ package executor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -107,6 +108,16 @@ func (e *StepError) Unwrap() error { return e.Err }
 // Fail builds a StepError.
 func Fail(reason string, format string, args ...any) error {
 	return &StepError{Reason: reason, Err: fmt.Errorf(format, args...)}
+}
+
+// Reason is the failureReason of a step's error: the StepError's own, or
+// one made from the step's name.
+func Reason(step string, err error) string {
+	var se *StepError
+	if errors.As(err, &se) && se.Reason != "" {
+		return se.Reason
+	}
+	return FailureReason(step)
 }
 
 // FailureReason turns a step name into the failureReason of an error that

@@ -6,6 +6,7 @@ package lockcmd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -111,7 +112,7 @@ func (o *options) acquire(ctx context.Context, cmd *cobra.Command) error {
 	announced := ""
 	for {
 		res, err := l.Acquire(ctx, o.identity)
-		if err != nil && err != lock.ErrConflict {
+		if err != nil && !errors.Is(err, lock.ErrConflict) {
 			return err
 		}
 		if err == nil && res.Acquired {

@@ -148,11 +148,11 @@ func (t *turn) collect() {
 		if !ok {
 			continue
 		}
-		observeStep(t.op.Spec.Kind, res.step, res.took, res.err)
 		if res.err != nil {
 			t.fail(m, res.step, res.err)
 			continue
 		}
+		observeStep(t.op.Spec.Kind, res.step, res.took)
 		t.finishStep(m, res.outcome)
 	}
 }
@@ -207,15 +207,11 @@ func findStep(steps []executor.Step, name string) (executor.Step, bool) {
 // fail records a failed step: the machine Failed, the operation paused with
 // failureReason, never retried by itself, nothing rolled back.
 func (t *turn) fail(m *ichorv1.MachineStatus, step string, err error) {
-	reason := executor.FailureReason(step)
+	reason := executor.Reason(step, err)
+	stepFailures.WithLabelValues(string(t.op.Spec.Kind), step, reason).Inc()
 	var se *executor.StepError
-	if errors.As(err, &se) {
-		if se.Reason != "" {
-			reason = se.Reason
-		}
-		if se.RetryFrom != "" {
-			m.Step = se.RetryFrom
-		}
+	if errors.As(err, &se) && se.RetryFrom != "" {
+		m.Step = se.RetryFrom
 	}
 	now := metav1.NewTime(t.r.now())
 	m.Phase, m.FinishedAt, m.Message = ichorv1.MachineFailed, &now, err.Error()
@@ -462,19 +458,16 @@ func (t *turn) check(ctx context.Context, m *ichorv1.MachineStatus, step executo
 	deadline := t.r.runner.waitDeadline(stepKey{t.key(m.Name), m.Step, m.Attempts}, timeout)
 	done, out, err := step.Wait(ctx, t.env(*m))
 	if err != nil {
-		observeStep(t.op.Spec.Kind, step.Name, 0, err)
 		t.fail(m, step.Name, err)
 		return 0
 	}
 	if done {
-		observeStep(t.op.Spec.Kind, step.Name, 0, nil)
 		t.finishStep(m, out)
 		return 0
 	}
 	left := deadline.Sub(t.r.now())
 	if left <= 0 {
 		err := executor.Fail(executor.FailureReason(step.Name), "%s did not finish within %s: %s", step.Name, timeout, orDash(out.Message))
-		observeStep(t.op.Spec.Kind, step.Name, timeout, err)
 		t.fail(m, step.Name, err)
 		return 0
 	}

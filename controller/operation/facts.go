@@ -9,6 +9,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	"maesh.dev/ichor/api/compat"
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/preflight"
 )
@@ -58,7 +59,7 @@ func (t *turn) controlPlaneVersion(ctx context.Context) (string, error) {
 	}
 	if len(versions) == 0 {
 		for i := range t.nodes {
-			if machine.Role(&t.nodes[i]) == "controlplane" {
+			if machine.Role(&t.nodes[i]) == ichorv1.RoleControlPlane {
 				versions = append(versions, machine.KubeletVersion(&t.nodes[i]))
 			}
 		}

@@ -10,7 +10,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/controller/executor"
 )
 
 var (
@@ -41,18 +40,10 @@ func init() {
 	metrics.Registry.MustRegister(stepDuration, stepFailures, lockHeldSeconds, lockHeld, statusWrites, phases)
 }
 
-func observeStep(kind ichorv1.OperationKind, step string, took time.Duration, err error) {
-	if err != nil {
-		reason := executor.FailureReason(step)
-		if se, ok := err.(*executor.StepError); ok && se.Reason != "" {
-			reason = se.Reason
-		}
-		stepFailures.WithLabelValues(string(kind), step, reason).Inc()
-		return
-	}
-	if took > 0 {
-		stepDuration.WithLabelValues(string(kind), step).Observe(took.Seconds())
-	}
+// observeStep records how long a step that succeeded took (failures are
+// counted where they are recorded, in fail).
+func observeStep(kind ichorv1.OperationKind, step string, took time.Duration) {
+	stepDuration.WithLabelValues(string(kind), step).Observe(took.Seconds())
 }
 
 // phaseCollector reports operations by kind and phase from the cache at

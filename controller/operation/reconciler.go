@@ -89,7 +89,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		controllerutil.AddFinalizer(op, ichorv1.Finalizer)
 		return ctrl.Result{}, r.Client.Update(ctx, op)
 	}
-	if op.Succeeded() || (op.Refused() && !(op.Spec.Override && op.Status.ObservedGeneration < op.Generation)) {
+	if settled(op) {
 		return ctrl.Result{}, r.release(ctx, op)
 	}
 
@@ -279,4 +279,10 @@ func describe(fs []preflight.Failure) string {
 		parts[i] = f.Check + ": " + f.Message
 	}
 	return strings.Join(parts, "; ")
+}
+
+// settled reports whether the operation is over: it succeeded, or it was
+// refused and no override waits to run it (the API's Failed says when).
+func settled(op *ichorv1.TalosOperation) bool {
+	return op.Succeeded() || (op.Refused() && op.Failed())
 }

@@ -63,7 +63,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 // active maps any event to the operations that are not finished.
 func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
 	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
-		return !op.Succeeded() && (!op.Refused() || op.Spec.Override)
+		return !settled(op)
 	})
 }
 
