@@ -7,6 +7,7 @@ package app
 import (
 	"context"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -63,6 +64,12 @@ type Options struct {
 	// Executors overrides the kinds carried out (tests); nil means executor.Default().
 	Executors executor.Registry
 	Log       logr.Logger
+	// TalosDialer, when set, opens the controller's connections to the
+	// Talos API; nil dials TCP. Tests cut them to kill a controller hard.
+	TalosDialer func(ctx context.Context, address string) (net.Conn, error)
+	// TestHookAfterRun is operation.Reconciler.TestHookAfterRun: called
+	// after a Run step returns, before status records it. Nil in production.
+	TestHookAfterRun func(operation.StepRun)
 }
 
 // New builds the manager with every reconciler registered.
@@ -109,9 +116,9 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
 	r := &operation.Reconciler{
 		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
-		Lock: lk, Talos: &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace},
+		Lock: lk, Talos: &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, Dialer: o.TalosDialer},
 		Compat: table, Executors: o.Executors, StepTimeout: o.StepTimeout,
-		Log: o.Log.WithName("operation"),
+		Log: o.Log.WithName("operation"), TestHookAfterRun: o.TestHookAfterRun,
 	}
 	if err := r.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the operation reconciler: %w", err)

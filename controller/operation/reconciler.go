@@ -53,6 +53,11 @@ type Reconciler struct {
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 	Log logr.Logger
+	// TestHookAfterRun, when set, is called after a Run step returns and
+	// before its result is handed to the reconciler, so before status
+	// records it. Tests kill the controller there, in the gap between an
+	// irreversible call and its status write. Nil in production.
+	TestHookAfterRun func(StepRun)
 
 	runner *runner
 	// superseded holds, per operation, the resourceVersions this controller

@@ -27,6 +27,18 @@ type runner struct {
 	wg      sync.WaitGroup
 	trigger chan event.GenericEvent
 	now     func() time.Time
+	// afterRun is Reconciler.TestHookAfterRun.
+	afterRun func(StepRun)
+}
+
+// StepRun is a Run step that has just returned, as TestHookAfterRun sees it.
+type StepRun struct {
+	Operation types.NamespacedName
+	UID       types.UID
+	Machine   string
+	Step      string
+	Attempt   int32
+	Err       error
 }
 
 type machineKey struct {
@@ -125,6 +137,10 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		env.Log.V(1).Info("step started")
 		out, err := step.Run(ctx, env)
 		env.Log.V(1).Info("step ended", "took", r.now().Sub(start).String(), "err", err)
+		if r.afterRun != nil {
+			r.afterRun(StepRun{Operation: types.NamespacedName{Namespace: op.Namespace, Name: op.Name}, UID: op.UID,
+				Machine: k.machine, Step: step.Name, Attempt: attempt, Err: err})
+		}
 		if err == nil && ctx.Err() != nil && r.base.Err() != nil {
 			return // the manager is stopping: a new leader runs the step again
 		}

@@ -33,6 +33,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		r.StepTimeout = 15 * time.Minute
 	}
 	r.runner = newRunner(r.now)
+	r.runner.afterRun = r.TestHookAfterRun
 	if err := mgr.Add(r.runner); err != nil {
 		return err
 	}

@@ -8,7 +8,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
+
+	"google.golang.org/grpc"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -36,6 +39,9 @@ type Connector struct {
 	// Reader reads the Secret (the manager's cache watches just that one).
 	Reader    client.Reader
 	Namespace string
+	// Dialer, when set, opens the connections to the Talos API endpoints
+	// (tests cut them at once to kill a controller hard); nil dials TCP.
+	Dialer func(ctx context.Context, address string) (net.Conn, error)
 
 	mu     sync.Mutex
 	rv     string
@@ -60,7 +66,7 @@ func (c *Connector) Client(ctx context.Context) (*talosclient.Client, error) {
 	if c.client != nil && c.rv == secret.ResourceVersion {
 		return c.client, nil
 	}
-	cl, err := newClient(ctx, secret.Data[ichorv1.TalosconfigKey])
+	cl, err := c.newClient(ctx, secret.Data[ichorv1.TalosconfigKey])
 	if err != nil {
 		return nil, &ConfigError{Reason: "TalosconfigInvalid", Message: fmt.Sprintf(
 			"Secret %s/%s key %q: %v", c.Namespace, ichorv1.TalosconfigSecret, ichorv1.TalosconfigKey, err)}
@@ -72,7 +78,7 @@ func (c *Connector) Client(ctx context.Context) (*talosclient.Client, error) {
 	return cl, nil
 }
 
-func newClient(ctx context.Context, data []byte) (*talosclient.Client, error) {
+func (c *Connector) newClient(ctx context.Context, data []byte) (*talosclient.Client, error) {
 	if len(data) == 0 {
 		return nil, errors.New("empty: it must hold a talosconfig")
 	}
@@ -80,7 +86,11 @@ func newClient(ctx context.Context, data []byte) (*talosclient.Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("not a talosconfig: %w", err)
 	}
-	cl, err := talosclient.New(ctx, talosclient.WithConfig(cfg))
+	opts := []talosclient.OptionFunc{talosclient.WithConfig(cfg)}
+	if c.Dialer != nil {
+		opts = append(opts, talosclient.WithGRPCDialOptions(grpc.WithContextDialer(c.Dialer)))
+	}
+	cl, err := talosclient.New(ctx, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("talosconfig unusable: %w", err)
 	}
