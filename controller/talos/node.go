@@ -51,9 +51,22 @@ func Reset(ctx context.Context, c *talosclient.Client, node string, graceful, re
 }
 
 // RestartService restarts a service (kubelet or an extension service) and
-// waits until its Service resource has gone and come back running and
-// healthy, as talosctl's rotate-ca helper does.
+// waits until it is back running and healthy.
 func RestartService(ctx context.Context, c *talosclient.Client, node, id string) error {
+	return AcrossRestart(ctx, c, node, id, func(ctx context.Context) error {
+		if _, err := c.ServiceRestart(ctx, id); err != nil {
+			return fmt.Errorf("restart service %s: %w", id, err)
+		}
+		return nil
+	})
+}
+
+// AcrossRestart runs do, which restarts the service id (a ServiceRestart, or
+// a configuration change that restarts it), and waits until its Service
+// resource has gone and come back running and healthy, as talosctl's
+// rotate-ca helper does. The watch starts before do, so the restart cannot
+// be missed.
+func AcrossRestart(ctx context.Context, c *talosclient.Client, node, id string, do func(ctx context.Context) error) error {
 	ctx = talosclient.WithNode(ctx, node)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -62,8 +75,7 @@ func RestartService(ctx context.Context, c *talosclient.Client, node, id string)
 	if err := safe.StateWatch(ctx, c.COSI, ptr, ch); err != nil {
 		return fmt.Errorf("watch service %s: %w", id, err)
 	}
-	// The watch first reports the current state; wait for it so the restart
-	// below cannot be missed.
+	// The watch first reports the current state.
 	var before resource.Version
 	select {
 	case ev := <-ch:
@@ -73,8 +85,8 @@ func RestartService(ctx context.Context, c *talosclient.Client, node, id string)
 	case <-ctx.Done():
 		return fmt.Errorf("watch service %s: %w", id, ctx.Err())
 	}
-	if _, err := c.ServiceRestart(ctx, id); err != nil {
-		return fmt.Errorf("restart service %s: %w", id, err)
+	if err := do(ctx); err != nil {
+		return err
 	}
 	restarted := false
 	for {
