@@ -10,8 +10,8 @@ import (
 
 	"github.com/cosi-project/runtime/pkg/safe"
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
-	v1alpha1res "github.com/siderolabs/talos/pkg/machinery/resources/v1alpha1"
 	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
+	v1alpha1res "github.com/siderolabs/talos/pkg/machinery/resources/v1alpha1"
 	"github.com/siderolabs/talos/pkg/machinery/role"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
