@@ -29,18 +29,15 @@ import (
 var env *testenv.Env
 
 func TestMain(m *testing.M) {
-	os.Exit(testenv.Main(m, &env, install))
+	// The controller manager aggregates ClusterRoles into admin, edit and view.
+	os.Exit(testenv.Main(m, &env, testenv.With(testenv.Components{ControllerManager: true}), install))
 }
 
 // install applies the kustomize base as a user would (`kubectl apply -k
-// manifests`), starts the ClusterRole aggregation controller, and waits
-// until the API server enforces the admission policies.
+// manifests`).
 func install(e *testenv.Env) error {
-	ctx := context.Background()
-	if _, _, err := e.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", e.Root+"/manifests"); err != nil {
-		return err
-	}
-	return e.StartClusterRoleAggregator()
+	_, _, err := e.Kubectl(context.Background(), nil, "apply", "--server-side", "--force-conflicts", "-k", e.Root+"/manifests")
+	return err
 }
 
 // The users of the tests, each bound to one role.

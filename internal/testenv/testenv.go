@@ -2,7 +2,9 @@
 // binaries `make envtest-assets` builds from source), installs Ichor's CRD from
 // manifests/, and hands out clients. Every integration test uses it; a package
 // starts one API server in TestMain and shares it between its tests, each of
-// which works in a namespace of its own.
+// which works in a namespace of its own. With(Components{...}) adds the
+// real kube-controller-manager and kube-scheduler for the packages whose
+// tests need a working cluster.
 package testenv
 
 import (
@@ -29,6 +31,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/controlplane"
 	"maesh.dev/ichor/internal/repo"
 )
 
@@ -67,6 +70,9 @@ type Env struct {
 	seq atomic.Int64
 	// stops end what was started beside the API server, before it stops.
 	stops []func()
+	// components are what StartComponents started; kcm the controller manager.
+	components Components
+	kcm        *controlplane.Process
 }
 
 // Start starts kube-apiserver and etcd from $KUBEBUILDER_ASSETS and installs
@@ -174,6 +180,9 @@ func (e *Env) UserKubeconfig(name string, groups ...string) (string, error) {
 	path := filepath.Join(e.dir, fmt.Sprintf("kubeconfig-%s-%d", name, e.seq.Add(1)))
 	return path, os.WriteFile(path, data, 0o600)
 }
+
+// Dir is a directory for the package's files; Stop removes it.
+func (e *Env) Dir() string { return e.dir }
 
 // Namespace creates a namespace of the test's own and returns its name.
 func (e *Env) Namespace(t testing.TB) string {
