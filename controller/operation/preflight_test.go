@@ -2,6 +2,7 @@ package operation_test
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -25,12 +26,16 @@ import (
 func TestPreflightRefuses(t *testing.T) {
 	tests := []struct {
 		name, talos, kubernetes, target string
-		check, want                     string
+		// newest, when set, is what the last machine runs instead of talos.
+		newest      string
+		check, want string
 	}{
-		{"downgrade", "v1.12.4", "1.35.0", "v1.12.2", "TalosVersionNewer", "v1.12.2 is not newer"},
-		{"skipped minor", "v1.11.6", "1.33.0", "v1.13.7", "TalosMinorSkip", "v1.12.7, then v1.13.7"},
-		{"pre-release", "v1.12.4", "1.35.0", "v1.13.8-beta.0", "TalosVersionFinal", "pre-release"},
-		{"unsupported kubernetes", "v1.12.4", "1.30.0", "v1.13.7", "TalosKubernetesSupported", "1.30"},
+		{"downgrade", "v1.12.4", "1.35.0", "v1.12.2", "", "TalosVersionNewer", "v1.12.2 is not newer"},
+		{"downgrade of one machine", "v1.13.2", "1.35.0", "v1.13.7", "v1.13.9", "TalosVersionNewer",
+			"older than what 1 machine(s) run (v1.13.9 on %s), and Ichor does not downgrade a machine; pick v1.13.9 or newer"},
+		{"skipped minor", "v1.11.6", "1.33.0", "v1.13.7", "", "TalosMinorSkip", "v1.12.7, then v1.13.7"},
+		{"pre-release", "v1.12.4", "1.35.0", "v1.13.8-beta.0", "", "TalosVersionFinal", "pre-release"},
+		{"unsupported kubernetes", "v1.12.4", "1.30.0", "v1.13.7", "", "TalosKubernetesSupported", "1.30"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -38,13 +43,20 @@ func TestPreflightRefuses(t *testing.T) {
 			for i := range spec.Machines {
 				spec.Machines[i].Talos, spec.Machines[i].Kubernetes = tt.talos, tt.kubernetes
 			}
+			if tt.newest != "" {
+				spec.Machines[len(spec.Machines)-1].Talos = tt.newest
+			}
 			c := newCluster(t, spec)
 			c.start()
 			c.create("upgrade", talosSpec(tt.target))
 			op := c.waitFor("upgrade", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
 			cond := meta.FindStatusCondition(op.Status.Conditions, tt.check)
-			if cond == nil || cond.Status != metav1.ConditionFalse || !strings.Contains(cond.Message, tt.want) {
-				t.Errorf("condition %s = %+v, want a message with %q; all: %+v", tt.check, cond, tt.want, op.Status.Conditions)
+			want := tt.want
+			if strings.Contains(want, "%s") {
+				want = fmt.Sprintf(want, c.fleet.Machines()[len(spec.Machines)-1].Name())
+			}
+			if cond == nil || cond.Status != metav1.ConditionFalse || !strings.Contains(cond.Message, want) {
+				t.Errorf("condition %s = %+v, want a message with %q; all: %+v", tt.check, cond, want, op.Status.Conditions)
 			}
 			if !strings.Contains(op.Status.Message, "set spec.override") {
 				t.Errorf("the message does not say how to run it anyway: %q", op.Status.Message)

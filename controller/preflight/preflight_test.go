@@ -105,6 +105,21 @@ func TestTalosChecks(t *testing.T) {
 		}},
 		{name: "newer than the lowest, mixed fleet", spec: talosOp("v1.12.4"),
 			cluster: with(on112, "w-2", "v1.12.1", "v1.35.2"), want: nil},
+		// One machine ahead of the target would be downgraded, although the others are behind it.
+		{name: "older than one machine", spec: talosOp("v1.13.7"),
+			cluster: with(fleet("v1.13.2", "v1.35.2", "v1.19.3"), "w-2", "v1.13.9", "v1.35.2"), want: []Failure{
+				{TalosVersionNewer, "Talos v1.13.7 is older than what 1 machine(s) run (v1.13.9 on w-2), and Ichor does not downgrade a machine; pick v1.13.9 or newer, or leave those machines out with spec.machines"},
+			}},
+		{name: "older than machines on two versions", spec: talosOp("v1.13.7"),
+			cluster: with(with(fleet("v1.13.2", "v1.35.2", "v1.19.3"), "w-2", "v1.13.9", "v1.35.2"), "w-1", "v1.13.8", "v1.35.2"), want: []Failure{
+				{TalosVersionNewer, "Talos v1.13.7 is older than what 2 machine(s) run (v1.13.8 on w-1; v1.13.9 on w-2), and Ichor does not downgrade a machine; pick v1.13.9 or newer, or leave those machines out with spec.machines"},
+			}},
+		{name: "on the target already, others behind, passes", spec: talosOp("v1.13.7"),
+			cluster: with(fleet("v1.13.2", "v1.35.2", "v1.19.3"), "w-2", "v1.13.7", "v1.35.2")},
+		{name: "older than all, on two versions", spec: talosOp("v1.13.1"),
+			cluster: with(fleet("v1.13.2", "v1.35.2", "v1.19.3"), "w-2", "v1.13.7", "v1.35.2"), want: []Failure{
+				{TalosVersionNewer, "Talos v1.13.1 is older than what 5 machine(s) run (v1.13.2 on cp-1, cp-2, cp-3 and 1 more; v1.13.7 on w-2), and Ichor does not downgrade a machine; pick v1.13.7 or newer, or leave those machines out with spec.machines"},
+			}},
 		{name: "two minors ahead", spec: talosOp("v1.13.7"), cluster: on111, want: []Failure{
 			{TalosMinorSkip, "Talos v1.13.7 is 2 minors ahead of v1.11.3, the lowest version running (on " + fiveMachines + "), and Talos is upgraded one minor at a time; go through the latest patch of each minor: v1.12.7, then v1.13.7"},
 		}},
@@ -130,6 +145,7 @@ func TestTalosChecks(t *testing.T) {
 			}},
 		{name: "Kubernetes too new for a Talos downgrade", spec: talosOp("v1.12.0"),
 			cluster: with(fleet("v1.13.7", "v1.36.2", ""), "w-2", "v1.11.6", "v1.36.2"), want: []Failure{
+				{TalosVersionNewer, "Talos v1.12.0 is older than what 4 machine(s) run (v1.13.7 on cp-1, cp-2, cp-3 and 1 more), and Ichor does not downgrade a machine; pick v1.13.7 or newer, or leave those machines out with spec.machines"},
 				{TalosKubernetesSupported, "Talos v1.12.0 does not run Kubernetes v1.36.2 (the control plane, kubelets on " + fiveMachines + "): version of Kubernetes 1.36.2 is too new to be used with Talos 1.12.0; " +
 					"Talos 1.12 runs Kubernetes 1.30 - 1.35, so pick a Talos that runs Kubernetes 1.36"},
 				{CompatibilityTable, "Kubernetes v1.36.2 with Talos v1.12.0 is not in Ichor's compatibility table, which lists Kubernetes 1.30 - 1.35 with Talos 1.12 (see kubectl ichor compat)"},

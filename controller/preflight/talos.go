@@ -40,7 +40,7 @@ func checkTalos(r *report, up *v1alpha1.TalosUpgrade, c Cluster, t *compat.Table
 		r.add(TalosVersionKnown, talosUnknown(target, t))
 	}
 	if lowest, ok := lowestOf(f.talos); ok {
-		checkTalosNewer(r, target, lowest, t)
+		checkTalosNewer(r, target, f.talos, t)
 		checkTalosSkip(r, target, lowest, t)
 	}
 	// Without the target in the table, machinery and the table can only
@@ -75,16 +75,36 @@ func lowestOf(gs groups) (group, bool) {
 	return gs[0], true
 }
 
-func checkTalosNewer(r *report, target compat.Version, lowest group, t *compat.Table) {
-	if target.Compare(lowest.v) > 0 {
+// checkTalosNewer: the target must be newer than the lowest version running
+// (or nothing is upgraded) and not older than any (Ichor never downgrades a
+// machine; one already on the target is left alone).
+func checkTalosNewer(r *report, target compat.Version, running groups, t *compat.Table) {
+	lowest, highest := running[0], running[len(running)-1]
+	if target.Compare(lowest.v) > 0 && target.Compare(highest.v) >= 0 {
 		return
 	}
-	msg := fmt.Sprintf("Talos %s is not newer than %s, the lowest version running (%s); pick a version newer than %s",
-		target, lowest.v, on(lowest.who), lowest.v)
-	if next, ok := nextTalos(lowest.v, t); ok {
-		msg += ", such as " + next.String()
+	if lowest.v == highest.v {
+		msg := fmt.Sprintf("Talos %s is not newer than %s, the lowest version running (%s); pick a version newer than %s",
+			target, lowest.v, on(lowest.who), lowest.v)
+		if next, ok := nextTalos(lowest.v, t); ok {
+			msg += ", such as " + next.String()
+		}
+		r.add(TalosVersionNewer, msg)
+		return
 	}
-	r.add(TalosVersionNewer, msg)
+	var newer []string
+	count := 0
+	for _, g := range running {
+		if g.v.Compare(target) > 0 {
+			newer = append(newer, fmt.Sprintf("%s %s", g.v, on(g.who)))
+			count += len(g.who)
+		}
+	}
+	if len(newer) > 3 {
+		newer = append(newer[:3], fmt.Sprintf("%d more versions", len(newer)-3))
+	}
+	r.add(TalosVersionNewer, fmt.Sprintf("Talos %s is older than what %d machine(s) run (%s), and Ichor does not downgrade a machine; "+
+		"pick %s or newer, or leave those machines out with spec.machines", target, count, strings.Join(newer, "; "), highest.v))
 }
 
 // nextTalos is the release to suggest above v: the latest patch of v's minor,
