@@ -9,7 +9,6 @@ package operation
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -19,16 +18,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
-
-	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 
 	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -74,7 +69,8 @@ func (r *Reconciler) now() time.Time {
 	return time.Now()
 }
 
-// Reconcile implements reconcile.Reconciler.
+// Reconcile implements reconcile.Reconciler. It runs the phase the
+// operation is in: deleted, over, or one turn of the state machine.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	op := &ichorv1.TalosOperation{}
 	if err := r.Client.Get(ctx, req.NamespacedName, op); err != nil {
@@ -86,22 +82,29 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	log := r.Log.WithValues("operation", req.NamespacedName.String())
 	ctx = logr.NewContext(ctx, log)
 	r.runner.settle(op)
-
-	if !op.DeletionTimestamp.IsZero() {
-		return r.finalize(ctx, op)
-	}
-	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
+	t := r.newTurn(op, log)
+	switch {
+	case !op.DeletionTimestamp.IsZero():
+		return t.reconcileDelete(ctx)
+	case !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer):
 		controllerutil.AddFinalizer(op, ichorv1.Finalizer)
 		return ctrl.Result{}, r.Client.Update(ctx, op)
+	case settled(op):
+		return t.reconcileSettled(ctx)
 	}
-	if settled(op) {
-		return ctrl.Result{}, r.release(ctx, op)
-	}
+	defer func() {
+		log.V(1).Info("reconciled", "took", r.now().Sub(t.now.Time).String(), "phase", t.op.Status.Phase)
+	}()
+	return t.reconcile(ctx)
+}
 
-	start := r.now()
-	defer func() { log.V(1).Info("reconciled", "took", r.now().Sub(start).String(), "phase", op.Status.Phase) }()
-	t := &turn{r: r, persisted: op, op: op.DeepCopy(), log: log}
-	result, err := t.run(ctx)
+// reconcile is one turn of an operation that is not over: decide, derive
+// the status from what was decided, write it, and only then start the steps
+// the written status records.
+func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
+	result, err := t.decide(ctx)
+	deriveStatus(t.op, t.now, t.why)
+	t.announce()
 	if werr := t.write(ctx); werr != nil {
 		return ctrl.Result{}, werr
 	}
@@ -110,103 +113,27 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	}
 	if t.op.Succeeded() || t.op.Refused() {
 		// Let the next operation in at once, not a watch round trip later.
-		return ctrl.Result{}, r.release(ctx, t.op)
+		return ctrl.Result{}, t.r.release(ctx, t.op)
 	}
 	t.launch(ctx)
 	return result, nil
 }
 
-// turn is one reconcile of one operation: persisted is the status as read,
-// op the working copy written at the end.
-type turn struct {
-	r         *Reconciler
-	persisted *ichorv1.TalosOperation
-	op        *ichorv1.TalosOperation
-	log       logr.Logger
-	exec      executor.Executor
-	nodes     []corev1.Node // every Node, as the cache has them (read-only)
-	byName    map[string]*corev1.Node
-	cps       []string
-	talos     *talosclient.Client
-	// dropRetry removes the retry annotation once status is written.
-	dropRetry bool
-	// canLaunch says the operation may start the steps persisted status records.
-	canLaunch bool
-	events    []func()
-}
-
-func (t *turn) event(eventType, reason, format string, args ...any) {
-	op := t.persisted
-	t.events = append(t.events, func() {
-		t.r.Recorder.Eventf(op, nil, eventType, reason, reason, format, args...)
-	})
-}
-
-func (t *turn) run(ctx context.Context) (ctrl.Result, error) {
-	op := t.op
-	st := &op.Status
-	t.exec = t.r.Executors[op.Spec.Kind]
-	if t.exec == nil {
-		t.refuse([]preflight.Failure{{Check: CheckKindSupported, Message: fmt.Sprintf(
-			"this ichor-controller does not carry out kind %s yet (it carries out %s); nothing ran", op.Spec.Kind, t.r.kinds())}})
-		return ctrl.Result{}, nil
+// announce leaves the Event of a change of phase (or of the reason a
+// phase is Paused); lock waits have their own, WaitingForLock.
+func (t *turn) announce() {
+	before, now := &t.persisted.Status, &t.op.Status
+	if before.Phase == now.Phase && before.Reason == now.Reason {
+		return
 	}
-	if op.Refused() {
-		// spec.override was set on a refused operation: run it that way.
-		st.Phase, st.CompletionTime = ichorv1.PhasePending, nil
-		setChecks(op, nil, false)
+	switch {
+	case now.Phase == ichorv1.PhaseRefused:
+		t.event(corev1.EventTypeWarning, preflight.EventRefused, "%s", now.Message)
+	case now.Phase == ichorv1.PhaseSucceeded:
+		t.event(corev1.EventTypeNormal, "Succeeded", "%s", now.Message)
+	case now.Phase == ichorv1.PhasePaused && now.Reason != ichorv1.ReasonClusterLockHeld:
+		t.event(corev1.EventTypeNormal, "Paused", "%s: %s", now.Reason, now.Message)
 	}
-	var nodes corev1.NodeList
-	// Read-only: the cache's own objects, not 5,000 copies per turn.
-	if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
-		return ctrl.Result{}, fmt.Errorf("list nodes: %w", err)
-	}
-	t.nodes = nodes.Items
-	if st.StartTime == nil {
-		if err := t.plan(); err != nil {
-			t.refuse([]preflight.Failure{{Check: preflight.MachinesInScope, Message: err.Error()}})
-			return ctrl.Result{}, nil
-		}
-	}
-
-	tc, err := t.r.Talos.Client(ctx)
-	var cfgErr *talos.ConfigError
-	if errors.As(err, &cfgErr) {
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: ConditionTalosAPI, Status: metav1.ConditionFalse,
-			Reason: cfgErr.Reason, Message: cfgErr.Message, ObservedGeneration: op.Generation})
-		if st.Phase == "" {
-			setPhase(op, ichorv1.PhasePending, cfgErr.Reason, cfgErr.Message)
-		}
-		return ctrl.Result{}, nil
-	}
-	if err != nil {
-		return ctrl.Result{}, err
-	}
-	meta.RemoveStatusCondition(&st.Conditions, ConditionTalosAPI)
-	t.talos = tc
-
-	t.collect()
-	if st.StartTime == nil {
-		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
-			return ctrl.Result{}, err
-		}
-	}
-	if !t.handleFailure() || !t.handlePause() {
-		return ctrl.Result{}, nil
-	}
-	held, err := t.acquire(ctx)
-	if err != nil || !held {
-		return ctrl.Result{}, err
-	}
-	if st.StartTime == nil {
-		if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
-			return ctrl.Result{}, err
-		}
-		now := metav1.NewTime(t.r.now())
-		st.StartTime = &now
-		t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", st.Target, len(st.Machines))
-	}
-	return t.advance(ctx)
 }
 
 func (r *Reconciler) kinds() string {
@@ -222,7 +149,6 @@ func (r *Reconciler) kinds() string {
 // write saves the working copy's status when it changed, then emits the
 // turn's Events and drops a consumed retry annotation.
 func (t *turn) write(ctx context.Context) error {
-	summarise(&t.op.Status)
 	if !equality.Semantic.DeepEqual(t.persisted.Status, t.op.Status) {
 		before := t.op.ResourceVersion
 		if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
@@ -250,21 +176,6 @@ func (t *turn) write(ctx context.Context) error {
 		t.r.superseded.Store(t.op.UID, before)
 	}
 	return nil
-}
-
-// refuse makes the operation Refused: terminal, nothing ran, no lock kept.
-func (t *turn) refuse(failures []preflight.Failure) {
-	op := t.op
-	setChecks(op, failures, false)
-	now := metav1.NewTime(t.r.now())
-	op.Status.CompletionTime = &now
-	op.Status.Lock, op.Status.LockHolder = "", ""
-	msg := preflight.RefusedMessage(failures)
-	if !overridable(failures) {
-		msg = "refused; nothing ran: " + describe(failures)
-	}
-	setPhase(op, ichorv1.PhaseRefused, preflight.ConditionReason, msg)
-	t.event(corev1.EventTypeWarning, preflight.EventRefused, "%s", msg)
 }
 
 // overridable: a kind this controller cannot carry out, or no machine in

@@ -202,14 +202,14 @@ func (r *runner) settle(op *ichorv1.TalosOperation) {
 	}
 }
 
-// waitDeadline returns when a Wait step times out, starting its clock the
-// first time it is seen.
-func (r *runner) waitDeadline(k stepKey, timeout time.Duration) time.Time {
+// waitDeadline returns when a Wait step times out, starting its clock at
+// now the first time it is seen.
+func (r *runner) waitDeadline(k stepKey, now time.Time, timeout time.Duration) time.Time {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	first, ok := r.waits[k]
 	if !ok {
-		first = r.now()
+		first = now
 		r.waits[k] = first
 	}
 	return first.Add(timeout)

@@ -2,8 +2,6 @@ package operation
 
 import (
 	"context"
-	"fmt"
-	"strings"
 	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
@@ -14,7 +12,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/builder"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
-	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
@@ -134,50 +131,4 @@ func nodeChanged() predicate.Funcs {
 				a.Labels[ichorv1.UpgradeOrderLabel] != b.Labels[ichorv1.UpgradeOrderLabel]
 		},
 	}
-}
-
-// finalize lets a deleted operation go once the steps in flight have
-// settled, releasing the cluster lock.
-func (r *Reconciler) finalize(ctx context.Context, op *ichorv1.TalosOperation) (ctrl.Result, error) {
-	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
-		return ctrl.Result{}, nil
-	}
-	if running := r.runner.running(op.UID); len(running) > 0 {
-		// The step's end wakes this reconcile again.
-		r.Log.Info("operation deleted mid-step; waiting for the step to settle", "operation", client.ObjectKeyFromObject(op), "steps", strings.Join(running, ", "))
-		return ctrl.Result{}, nil
-	}
-	if err := r.release(ctx, op); err != nil {
-		return ctrl.Result{}, err
-	}
-	r.runner.forget(op.UID)
-	r.superseded.Delete(op.UID)
-	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
-	return ctrl.Result{}, r.Client.Update(ctx, op)
-}
-
-// release lets go of the cluster lock if this operation holds it.
-func (r *Reconciler) release(ctx context.Context, op *ichorv1.TalosOperation) error {
-	for _, id := range []string{ichorv1.OperationIdentity(op.Namespace, op.Name), r.machineIdentity(op)} {
-		if id == "" {
-			continue
-		}
-		held, released, err := r.Lock.Release(ctx, id)
-		if err != nil {
-			return fmt.Errorf("release cluster lock: %w", err)
-		}
-		if released {
-			lockHeld.Set(0)
-			lockHeldSeconds.Add(held.Seconds())
-			r.Recorder.Eventf(op, nil, corev1.EventTypeNormal, "LockReleased", "LockReleased", "released the cluster lock after %s", held.Round(time.Millisecond))
-		}
-	}
-	return nil
-}
-
-func (r *Reconciler) machineIdentity(op *ichorv1.TalosOperation) string {
-	if op.Spec.Kind == ichorv1.KindNode && op.Spec.Node != nil && op.Spec.Node.Action == ichorv1.NodeReset {
-		return ichorv1.MachineIdentity(op.Spec.Node.Machine)
-	}
-	return ""
 }

@@ -1,6 +1,7 @@
 package operation
 
 import (
+	"fmt"
 	"slices"
 
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -17,29 +18,139 @@ const (
 	ConditionTalosAPI = "TalosAPIReady"
 )
 
-// setPhase moves the operation to a phase with a reason and message and
-// keeps the three standard conditions in step with it.
-func setPhase(op *ichorv1.TalosOperation, phase ichorv1.Phase, reason, message string) {
+// deriveStatus sets the operation's phase, reason, message and conditions
+// (and the summary columns) from its facts, once the turn has decided: the
+// machines, the failure, spec.paused, the lock, the checks and the
+// talosconfig's condition. why is what the turn learnt that no status field
+// holds (whom it waits for, why no machine can start). It is the only code
+// that sets them, and now is the turn's time.
+func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	st := &op.Status
-	st.Phase, st.Reason, st.Message = phase, reason, message
-	gen := op.Generation
-	cond := func(t string, ok bool, reason, msg string) {
-		s := metav1.ConditionFalse
-		if ok {
-			s = metav1.ConditionTrue
+	st.Phase, st.Reason, st.Message = phaseOf(op, why)
+	if st.Phase != ichorv1.PhasePaused || st.Reason != ichorv1.ReasonClusterLockHeld {
+		st.LockHolder = ""
+		if st.Lock == ichorv1.LockWaiting {
+			st.Lock = ""
 		}
-		if reason == "" {
-			reason = string(phase)
-		}
-		if msg == "" {
-			msg = string(phase)
-		}
-		meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: t, Status: s, Reason: reason, Message: msg, ObservedGeneration: gen})
 	}
-	cond(ichorv1.ConditionReady, phase == ichorv1.PhaseSucceeded, "", message)
-	cond(ichorv1.ConditionProgressing, phase == ichorv1.PhaseRunning, reason, message)
-	cond(ichorv1.ConditionPaused, phase == ichorv1.PhasePaused, reason, message)
-	st.ObservedGeneration = gen
+	switch terminal := st.Phase == ichorv1.PhaseSucceeded || st.Phase == ichorv1.PhaseRefused; {
+	case terminal && st.CompletionTime == nil:
+		st.CompletionTime = &now
+	case !terminal:
+		st.CompletionTime = nil
+	}
+	if st.Phase == ichorv1.PhaseSucceeded || st.Phase == ichorv1.PhaseRefused {
+		st.Lock = ""
+	}
+	st.Progress, st.Current = plan.Progress(st.Machines), plan.Current(st.Machines)
+	st.ObservedGeneration = op.Generation
+	setReadyCondition(op)
+	setProgressingCondition(op)
+	setPausedCondition(op)
+}
+
+const (
+	retryWaits  = "; a retry is requested and runs when the operation is resumed"
+	pausedByYou = "paused by an operator (spec.paused); `kubectl ichor operation resume` lifts it"
+)
+
+// phaseOf says where the operation stands, in order of precedence: refused,
+// succeeded, paused on a failed step, paused by an operator, waiting for the
+// lock, pending (not started), running.
+func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, string) {
+	st := &op.Status
+	api := meta.FindStatusCondition(st.Conditions, ConditionTalosAPI)
+	switch {
+	case len(refusals(op)) > 0:
+		return ichorv1.PhaseRefused, preflight.ConditionReason, refusedMessage(refusals(op))
+	case st.StartTime != nil && allDone(st.Machines):
+		return ichorv1.PhaseSucceeded, "Succeeded", fmt.Sprintf("%s done on %s machine(s)", st.Target, plan.Progress(st.Machines))
+	case op.StepFailed():
+		msg := failureMessage(st)
+		if op.RetryPending() && op.Spec.Paused {
+			msg += retryWaits
+		}
+		return ichorv1.PhasePaused, ichorv1.ReasonStepFailed, msg
+	case op.Spec.Paused:
+		return ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, joinWhy(pausedByYou, why)
+	case st.Lock == ichorv1.LockWaiting:
+		if why == "" {
+			why = "waiting for the cluster lock, held by " + st.LockHolder
+		}
+		return ichorv1.PhasePaused, ichorv1.ReasonClusterLockHeld, why
+	case api != nil && api.Status == metav1.ConditionFalse:
+		phase := ichorv1.PhaseRunning
+		if st.StartTime == nil {
+			phase = ichorv1.PhasePending
+		}
+		return phase, api.Reason, api.Message
+	case st.StartTime == nil:
+		return ichorv1.PhasePending, "", "checking"
+	case why != "":
+		return ichorv1.PhaseRunning, "", why
+	}
+	return ichorv1.PhaseRunning, "", "running"
+}
+
+func joinWhy(msg, why string) string {
+	if why == "" {
+		return msg
+	}
+	return msg + "; " + why
+}
+
+// failureMessage says which step failed where: the failure's reason, the
+// first failed machine and its message, and how many others failed too.
+func failureMessage(st *ichorv1.TalosOperationStatus) string {
+	var failed []string
+	for _, m := range st.Machines {
+		if m.Phase == ichorv1.MachineFailed {
+			failed = append(failed, m.Name)
+		}
+	}
+	m := st.FailedMachine()
+	if m == nil {
+		return st.FailureReason
+	}
+	msg := fmt.Sprintf("%s on %s (%s): %s", st.FailureReason, m.Name, m.Step, m.Message)
+	if len(failed) > 1 {
+		msg += fmt.Sprintf("; %d machines failed: %s", len(failed), plan.Current(st.Machines))
+	}
+	return msg
+}
+
+// The three standard conditions: each says one thing of the phase, with
+// the phase's reason (or the phase itself) and message.
+
+// setReadyCondition: True once the operation has succeeded.
+func setReadyCondition(op *ichorv1.TalosOperation) {
+	setCondition(op, ichorv1.ConditionReady, op.Status.Phase == ichorv1.PhaseSucceeded, string(op.Status.Phase))
+}
+
+// setProgressingCondition: True while machines are being worked on.
+func setProgressingCondition(op *ichorv1.TalosOperation) {
+	setCondition(op, ichorv1.ConditionProgressing, op.Status.Phase == ichorv1.PhaseRunning, op.Status.Reason)
+}
+
+// setPausedCondition: True while the operation is Paused, for any reason.
+func setPausedCondition(op *ichorv1.TalosOperation) {
+	setCondition(op, ichorv1.ConditionPaused, op.Status.Phase == ichorv1.PhasePaused, op.Status.Reason)
+}
+
+func setCondition(op *ichorv1.TalosOperation, conditionType string, ok bool, reason string) {
+	st := &op.Status
+	status := metav1.ConditionFalse
+	if ok {
+		status = metav1.ConditionTrue
+	}
+	if reason == "" {
+		reason = string(st.Phase)
+	}
+	msg := st.Message
+	if msg == "" {
+		msg = string(st.Phase)
+	}
+	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: conditionType, Status: status, Reason: reason, Message: msg, ObservedGeneration: op.Generation})
 }
 
 // Checks of the controller's own, beside preflight's.
@@ -72,6 +183,26 @@ func setChecks(op *ichorv1.TalosOperation, failures []preflight.Failure, overrid
 
 const overriddenReason = "Overridden"
 
+// refusals are the failed checks that refuse the operation: those not overridden.
+func refusals(op *ichorv1.TalosOperation) []preflight.Failure {
+	var out []preflight.Failure
+	for _, c := range op.Status.Conditions {
+		if isCheck(c.Type) && c.Status == metav1.ConditionFalse && c.Reason == preflight.ConditionReason {
+			out = append(out, preflight.Failure{Check: c.Type, Message: c.Message})
+		}
+	}
+	return out
+}
+
+// refusedMessage says why the operation was refused, and whether
+// spec.override can run it anyway.
+func refusedMessage(fs []preflight.Failure) string {
+	if !overridable(fs) {
+		return "refused; nothing ran: " + describe(fs)
+	}
+	return preflight.RefusedMessage(fs)
+}
+
 // overrideRecorded reports whether the conditions already record these
 // checks as overridden, so the PreflightOverridden Event is left once.
 func overrideRecorded(op *ichorv1.TalosOperation, fs []preflight.Failure) bool {
@@ -82,12 +213,6 @@ func overrideRecorded(op *ichorv1.TalosOperation, fs []preflight.Failure) bool {
 		}
 	}
 	return true
-}
-
-// summarise refreshes the flat fields the printer columns show.
-func summarise(st *ichorv1.TalosOperationStatus) {
-	st.Progress = plan.Progress(st.Machines)
-	st.Current = plan.Current(st.Machines)
 }
 
 // entry returns the status entry of the named machine.

@@ -1,0 +1,194 @@
+package operation
+
+import (
+	"context"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	ctrl "sigs.k8s.io/controller-runtime/pkg/reconcile"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/plan"
+	"maesh.dev/ichor/controller/preflight"
+)
+
+// decide runs the phase the operation is in. Each phase changes only the
+// operation's facts (machines, failure, lock, checks, startTime) and returns
+// when to look again; deriveStatus then says what the facts mean.
+func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
+	if decided, err := t.prepare(ctx); decided || err != nil {
+		return ctrl.Result{}, err
+	}
+	t.collect()
+	if !t.started() {
+		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
+			return ctrl.Result{}, err
+		}
+	}
+	if t.op.StepFailed() {
+		if !t.retryRuns() {
+			return t.reconcileFailed()
+		}
+		t.retry()
+	} else if t.op.RetryPending() && !t.op.Spec.Paused {
+		// Nothing failed: a retry now would pre-approve a future failure.
+		t.ignoreRetry("no step has failed, so there is nothing to run again")
+	}
+	if t.op.Spec.Paused {
+		return t.reconcilePaused()
+	}
+	held, err := t.acquire(ctx)
+	if err != nil || !held {
+		return ctrl.Result{}, err
+	}
+	if !t.started() {
+		if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
+			return ctrl.Result{}, err
+		}
+		t.op.Status.StartTime = &t.now
+		t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", t.op.Status.Target, len(t.op.Status.Machines))
+	}
+	return t.reconcileRunning(ctx)
+}
+
+// refuse records failed checks: deriveStatus makes the operation Refused,
+// terminal, nothing ran and no lock kept.
+func (t *turn) refuse(failures []preflight.Failure) { setChecks(t.op, failures, false) }
+
+// preflight runs the version checks and the kind's own. It returns false
+// when the operation was refused. when says at which point it ran.
+func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
+	op := t.op
+	facts, err := t.facts(ctx)
+	if err != nil {
+		return false, err
+	}
+	failures := preflight.Check(op.Spec, facts, t.r.Compat)
+	var actions []string
+	for _, m := range op.Status.Machines {
+		if m.Phase != ichorv1.MachineSkipped {
+			actions = append(actions, t.exec.Check(ctx, t.env(m))...)
+		}
+	}
+	if len(actions) > 0 {
+		failures = append(failures, preflight.Failure{Check: CheckActionAllowed, Message: strings.Join(actions, "; ")})
+	}
+	if len(failures) == 0 {
+		setChecks(op, nil, false)
+		return true, nil
+	}
+	if op.Spec.Override && overridable(failures) {
+		if !overrideRecorded(op, failures) {
+			t.event(corev1.EventTypeWarning, preflight.EventOverridden, "%s", preflight.OverriddenMessage(failures))
+		}
+		setChecks(op, failures, true)
+		return true, nil
+	}
+	if when != "" {
+		for i := range failures {
+			failures[i].Message += " (" + when + ")"
+		}
+	}
+	t.refuse(failures)
+	return false, nil
+}
+
+// reconcileFailed keeps an operation whose step failed where it is: it is
+// never retried by itself and nothing is rolled back.
+func (t *turn) reconcileFailed() (ctrl.Result, error) { return ctrl.Result{}, nil }
+
+// retryRuns reports whether a retry request runs now: one is pending and no
+// operator pause holds it back (resuming then runs it).
+func (t *turn) retryRuns() bool { return t.op.RetryPending() && !t.op.Spec.Paused }
+
+// retry acts on a retry request: records it, clears the failure and runs
+// the failed steps again (completed machines stay completed).
+func (t *turn) retry() {
+	st := &t.op.Status
+	st.LastRetry = &t.now
+	st.RetryCount++
+	var again []string
+	for i := range st.Machines {
+		m := &st.Machines[i]
+		if m.Phase != ichorv1.MachineFailed {
+			continue
+		}
+		m.Phase, m.FinishedAt, m.Message = ichorv1.MachineInProgress, nil, "retrying"
+		m.Attempts++
+		again = append(again, m.Name+": "+m.Step)
+	}
+	st.FailureReason = ""
+	t.dropRetry = true
+	t.event(corev1.EventTypeNormal, "Retrying", "retry %d requested: running %s again", st.RetryCount, strings.Join(again, ", "))
+}
+
+// ignoreRetry removes a retry request that has nothing to act on, and says why.
+func (t *turn) ignoreRetry(why string) {
+	t.dropRetry = true
+	t.event(corev1.EventTypeNormal, "RetryIgnored", "%s=true removed: %s", ichorv1.RetryAnnotation, why)
+}
+
+// reconcilePaused stops an operator-paused operation between steps. It
+// keeps the cluster lock if it holds it.
+func (t *turn) reconcilePaused() (ctrl.Result, error) {
+	if running := t.r.runner.running(t.op.UID); len(running) > 0 {
+		t.why = "finishing the steps in flight: " + strings.Join(running, ", ")
+	}
+	return ctrl.Result{}, nil
+}
+
+// reconcileRunning evaluates Wait steps and starts the machines the plan
+// allows. deriveStatus finds the operation Succeeded once every machine is done.
+func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
+	op := t.op
+	st := &op.Status
+	requeue := t.checkWaits(ctx)
+	if op.StepFailed() {
+		return ctrl.Result{}, nil
+	}
+	unavailable := map[string]bool{}
+	for i := range t.nodes {
+		n := &t.nodes[i]
+		if machine.Role(n) == ichorv1.RoleWorker && machine.Unavailable(n) {
+			unavailable[n.Name] = true
+		}
+	}
+	start, why := plan.Next(st.Machines, unavailable, int(op.Spec.MaxUnavailable))
+	for _, i := range start {
+		t.startMachine(&st.Machines[i])
+	}
+	t.why = why
+	t.canLaunch = true
+	return ctrl.Result{RequeueAfter: requeue}, nil
+}
+
+// reconcileSettled is the turn of an operation that is over: it lets go of
+// the cluster lock if it still holds it.
+func (t *turn) reconcileSettled(ctx context.Context) (ctrl.Result, error) {
+	return ctrl.Result{}, t.r.release(ctx, t.op)
+}
+
+// reconcileDelete lets a deleted operation go once the steps in flight have
+// settled, releasing the cluster lock.
+func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
+	op, r := t.persisted, t.r
+	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
+		return ctrl.Result{}, nil
+	}
+	if running := r.runner.running(op.UID); len(running) > 0 {
+		// The step's end wakes this reconcile again.
+		t.log.Info("operation deleted mid-step; waiting for the step to settle", "steps", strings.Join(running, ", "))
+		return ctrl.Result{}, nil
+	}
+	if err := r.release(ctx, op); err != nil {
+		return ctrl.Result{}, err
+	}
+	r.runner.forget(op.UID)
+	r.superseded.Delete(op.UID)
+	op = op.DeepCopy()
+	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
+	return ctrl.Result{}, client.IgnoreNotFound(r.Client.Update(ctx, op))
+}

@@ -1,0 +1,166 @@
+package operation
+
+import (
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/preflight"
+)
+
+var (
+	t0      = metav1.NewTime(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC))
+	started = &t0
+)
+
+// op builds an operation in a state: its machines' phases (first a control
+// plane, then workers) and changes.
+func opIn(phases []ichorv1.MachinePhase, change ...func(*ichorv1.TalosOperation)) *ichorv1.TalosOperation {
+	op := &ichorv1.TalosOperation{}
+	op.Generation = 3
+	op.Status.Target = "talos v1.13.7"
+	for i, p := range phases {
+		role, name := ichorv1.RoleWorker, "w"+string(rune('0'+i))
+		if i == 0 {
+			role, name = ichorv1.RoleControlPlane, "cp"
+		}
+		m := ichorv1.MachineStatus{Name: name, Role: role, Phase: p}
+		if p == ichorv1.MachineInProgress || p == ichorv1.MachineFailed {
+			m.Step = "install"
+		}
+		if p == ichorv1.MachineFailed {
+			m.Message = "rpc error: code = Internal"
+		}
+		op.Status.Machines = append(op.Status.Machines, m)
+	}
+	for _, c := range change {
+		c(op)
+	}
+	return op
+}
+
+const (
+	pending    = ichorv1.MachinePending
+	inProgress = ichorv1.MachineInProgress
+	succeeded  = ichorv1.MachineSucceeded
+	skipped    = ichorv1.MachineSkipped
+	failed     = ichorv1.MachineFailed
+)
+
+func isStarted(op *ichorv1.TalosOperation) { op.Status.StartTime = started }
+func failedWith(reason string) func(*ichorv1.TalosOperation) {
+	return func(op *ichorv1.TalosOperation) { isStarted(op); op.Status.FailureReason = reason }
+}
+func pausedSpec(op *ichorv1.TalosOperation) { op.Spec.Paused = true }
+func retryAnnotated(op *ichorv1.TalosOperation) {
+	op.Annotations = map[string]string{ichorv1.RetryAnnotation: ichorv1.RetryRequested}
+}
+func waitingFor(holder string) func(*ichorv1.TalosOperation) {
+	return func(op *ichorv1.TalosOperation) { op.Status.Lock, op.Status.LockHolder = ichorv1.LockWaiting, holder }
+}
+func refusedBy(check, msg string) func(*ichorv1.TalosOperation) {
+	return func(op *ichorv1.TalosOperation) {
+		setChecks(op, []preflight.Failure{{Check: check, Message: msg}}, false)
+	}
+}
+func talosconfigMissing(op *ichorv1.TalosOperation) {
+	meta.SetStatusCondition(&op.Status.Conditions, metav1.Condition{Type: ConditionTalosAPI, Status: metav1.ConditionFalse, Reason: "TalosconfigMissing", Message: "create the Secret"})
+}
+
+// phaseCases are the states every condition's test reads, with the phase,
+// reason and message deriveStatus gives each.
+var phaseCases = []struct {
+	name           string
+	op             *ichorv1.TalosOperation
+	why            string
+	phase          ichorv1.Phase
+	reason, prefix string
+}{
+	{"new", opIn([]ichorv1.MachinePhase{pending, pending}), "", ichorv1.PhasePending, "", "checking"},
+	{"no talosconfig yet", opIn([]ichorv1.MachinePhase{pending}, talosconfigMissing), "", ichorv1.PhasePending, "TalosconfigMissing", "create the Secret"},
+	{"waiting for the lock", opIn([]ichorv1.MachinePhase{pending}, waitingFor("job/a/b")), "waiting for the cluster lock, held by job/a/b since then", ichorv1.PhasePaused, ichorv1.ReasonClusterLockHeld, "waiting for the cluster lock, held by job/a/b since"},
+	{"waiting for the lock, read again", opIn([]ichorv1.MachinePhase{pending}, waitingFor("job/a/b")), "", ichorv1.PhasePaused, ichorv1.ReasonClusterLockHeld, "waiting for the cluster lock, held by job/a/b"},
+	{"running", opIn([]ichorv1.MachinePhase{succeeded, inProgress}, isStarted), "", ichorv1.PhaseRunning, "", "running"},
+	{"running, held back by the budget", opIn([]ichorv1.MachinePhase{succeeded, pending}, isStarted), "waiting for workers to come back", ichorv1.PhaseRunning, "", "waiting for workers to come back"},
+	{"running without a talosconfig", opIn([]ichorv1.MachinePhase{succeeded, inProgress}, isStarted, talosconfigMissing), "", ichorv1.PhaseRunning, "TalosconfigMissing", "create the Secret"},
+	{"paused by an operator", opIn([]ichorv1.MachinePhase{succeeded, pending}, isStarted, pausedSpec), "", ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, pausedByYou},
+	{"paused by an operator before the start", opIn([]ichorv1.MachinePhase{pending}, pausedSpec, waitingFor("x")), "", ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, pausedByYou},
+	{"failed", opIn([]ichorv1.MachinePhase{succeeded, failed}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal"},
+	{"failed twice", opIn([]ichorv1.MachinePhase{succeeded, failed, failed}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal; 2 machines failed: w1,w2"},
+	{"failed and paused, retry waits", opIn([]ichorv1.MachinePhase{failed}, failedWith("EtcdUnhealthy"), pausedSpec, retryAnnotated), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "EtcdUnhealthy on cp (install): rpc error: code = Internal" + retryWaits},
+	{"succeeded", opIn([]ichorv1.MachinePhase{succeeded, skipped}, isStarted), "", ichorv1.PhaseSucceeded, "Succeeded", "talos v1.13.7 done on 2/2 machine(s)"},
+	{"every machine skipped, not started", opIn([]ichorv1.MachinePhase{skipped}), "", ichorv1.PhasePending, "", "checking"},
+	{"refused", opIn([]ichorv1.MachinePhase{pending}, refusedBy(preflight.TalosVersionNewer, "v1.12.2 is not newer")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "preflight refused the operation; set spec.override"},
+	{"refused, not overridable", opIn(nil, refusedBy(CheckKindSupported, "kind etcd-restore")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "refused; nothing ran: KindSupported: kind etcd-restore"},
+}
+
+func derived(t *testing.T, i int) *ichorv1.TalosOperation {
+	t.Helper()
+	op := phaseCases[i].op.DeepCopy()
+	deriveStatus(op, t0, phaseCases[i].why)
+	return op
+}
+
+func TestDeriveStatusPhase(t *testing.T) {
+	for i, tt := range phaseCases {
+		t.Run(tt.name, func(t *testing.T) {
+			op := derived(t, i)
+			st := op.Status
+			if st.Phase != tt.phase || st.Reason != tt.reason || len(st.Message) < len(tt.prefix) || st.Message[:len(tt.prefix)] != tt.prefix {
+				t.Errorf("got %s/%q %q, want %s/%q %q...", st.Phase, st.Reason, st.Message, tt.phase, tt.reason, tt.prefix)
+			}
+			if st.ObservedGeneration != op.Generation {
+				t.Errorf("observedGeneration %d, want %d", st.ObservedGeneration, op.Generation)
+			}
+			terminal := tt.phase == ichorv1.PhaseSucceeded || tt.phase == ichorv1.PhaseRefused
+			if (st.CompletionTime != nil) != terminal {
+				t.Errorf("completionTime %v on a %s operation", st.CompletionTime, st.Phase)
+			}
+			if st.Lock == ichorv1.LockWaiting && st.Reason != ichorv1.ReasonClusterLockHeld || st.LockHolder != "" && st.Lock != ichorv1.LockWaiting {
+				t.Errorf("lock %q holder %q on a %s/%s operation", st.Lock, st.LockHolder, st.Phase, st.Reason)
+			}
+		})
+	}
+}
+
+// conditionCase checks one condition against every state of phaseCases.
+func conditionCase(t *testing.T, conditionType string, want map[string]metav1.ConditionStatus) {
+	t.Helper()
+	for i, tt := range phaseCases {
+		t.Run(tt.name, func(t *testing.T) {
+			op := derived(t, i)
+			c := meta.FindStatusCondition(op.Status.Conditions, conditionType)
+			if c == nil {
+				t.Fatalf("no %s condition", conditionType)
+			}
+			w, ok := want[tt.name]
+			if !ok {
+				w = metav1.ConditionFalse
+			}
+			if c.Status != w || c.ObservedGeneration != op.Generation || c.Message != op.Status.Message || c.Reason == "" {
+				t.Errorf("%s = %s/%s %q (generation %d), want %s with the message %q", conditionType, c.Status, c.Reason, c.Message, c.ObservedGeneration, w, op.Status.Message)
+			}
+		})
+	}
+}
+
+func TestSetReadyCondition(t *testing.T) {
+	conditionCase(t, ichorv1.ConditionReady, map[string]metav1.ConditionStatus{"succeeded": metav1.ConditionTrue})
+}
+
+func TestSetProgressingCondition(t *testing.T) {
+	conditionCase(t, ichorv1.ConditionProgressing, map[string]metav1.ConditionStatus{
+		"running": metav1.ConditionTrue, "running, held back by the budget": metav1.ConditionTrue, "running without a talosconfig": metav1.ConditionTrue,
+	})
+}
+
+func TestSetPausedCondition(t *testing.T) {
+	conditionCase(t, ichorv1.ConditionPaused, map[string]metav1.ConditionStatus{
+		"waiting for the lock": metav1.ConditionTrue, "waiting for the lock, read again": metav1.ConditionTrue,
+		"paused by an operator": metav1.ConditionTrue, "paused by an operator before the start": metav1.ConditionTrue,
+		"failed": metav1.ConditionTrue, "failed twice": metav1.ConditionTrue, "failed and paused, retry waits": metav1.ConditionTrue,
+	})
+}

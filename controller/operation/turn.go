@@ -1,0 +1,214 @@
+package operation
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/plan"
+	"maesh.dev/ichor/controller/preflight"
+	"maesh.dev/ichor/controller/talos"
+)
+
+// turn is one reconcile of one operation: the scope every phase works in.
+// It reads the clock once, so every time a turn records or judges (a
+// machine's start, a step's deadline, the completion) is the same instant.
+type turn struct {
+	r *Reconciler
+	// now is the turn's time, read once when the turn begins.
+	now metav1.Time
+	// persisted is the operation as read, and once write has saved the
+	// working copy, as written: only steps it records may start. The phases
+	// never change it.
+	persisted *ichorv1.TalosOperation
+	// op is the working copy. The phases change its facts (machines, the
+	// failure, the lock, the checks, startTime); deriveStatus then sets its
+	// phase, reason, message and conditions; write saves it.
+	op  *ichorv1.TalosOperation
+	log logr.Logger
+
+	// exec is the executor of the operation's kind, set by prepare (nil
+	// when this controller does not carry the kind out).
+	exec executor.Executor
+	// nodes are every Node as the cache has them (the cache's own objects:
+	// read-only), listed by prepare.
+	nodes []corev1.Node
+	// byName and cps index nodes; node and controlPlanes build them on first use.
+	byName map[string]*corev1.Node
+	cps    []string
+	// talos is the Talos API client, set by prepare once a talosconfig is usable.
+	talos *talosclient.Client
+
+	// why says why the operation cannot move on right now, when no status
+	// field says it (the lock's holder and since when, the budget): the
+	// phases set it, deriveStatus puts it in the message.
+	why string
+	// dropRetry removes the retry annotation once status is written.
+	dropRetry bool
+	// canLaunch says the steps that persisted status records as in progress
+	// may start once status is written.
+	canLaunch bool
+	// events are emitted once status is written.
+	events []func()
+}
+
+func (r *Reconciler) newTurn(op *ichorv1.TalosOperation, log logr.Logger) *turn {
+	return &turn{r: r, now: metav1.NewTime(r.now()), persisted: op, op: op.DeepCopy(), log: log}
+}
+
+// event queues an Event on the operation, emitted once status is written.
+func (t *turn) event(eventType, reason, format string, args ...any) {
+	op := t.persisted
+	t.events = append(t.events, func() {
+		t.r.Recorder.Eventf(op, nil, eventType, reason, reason, format, args...)
+	})
+}
+
+// started reports whether the operation has started running (its machines
+// are fixed from then on).
+func (t *turn) started() bool { return t.op.Status.StartTime != nil }
+
+// prepare finds the executor, lists the Nodes, (re)plans an operation that
+// has not started and connects to the Talos API. It returns true when the
+// turn has decided already: the operation is refused, or no talosconfig is
+// usable (said in the TalosAPIReady condition).
+func (t *turn) prepare(ctx context.Context) (bool, error) {
+	op := t.op
+	t.exec = t.r.Executors[op.Spec.Kind]
+	if t.exec == nil {
+		t.refuse([]preflight.Failure{{Check: CheckKindSupported, Message: fmt.Sprintf(
+			"this ichor-controller does not carry out kind %s yet (it carries out %s); nothing ran", op.Spec.Kind, t.r.kinds())}})
+		return true, nil
+	}
+	if op.Refused() {
+		// spec.override was set on a refused operation: check it again and run it that way.
+		setChecks(op, nil, false)
+	}
+	var nodes corev1.NodeList
+	// Read-only: the cache's own objects, not 5,000 copies per turn.
+	if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
+		return true, fmt.Errorf("list nodes: %w", err)
+	}
+	t.nodes = nodes.Items
+	if !t.started() {
+		if err := t.plan(); err != nil {
+			t.refuse([]preflight.Failure{{Check: preflight.MachinesInScope, Message: err.Error()}})
+			return true, nil
+		}
+	}
+	tc, err := t.r.Talos.Client(ctx)
+	var cfgErr *talos.ConfigError
+	if errors.As(err, &cfgErr) {
+		meta.SetStatusCondition(&op.Status.Conditions, metav1.Condition{Type: ConditionTalosAPI, Status: metav1.ConditionFalse,
+			Reason: cfgErr.Reason, Message: cfgErr.Message, ObservedGeneration: op.Generation})
+		return true, nil
+	}
+	if err != nil {
+		return true, err
+	}
+	meta.RemoveStatusCondition(&op.Status.Conditions, ConditionTalosAPI)
+	t.talos = tc
+	return false, nil
+}
+
+// plan (re)builds the machine list of an operation that has not started, so
+// that Nodes joining or holds added while it waits are taken into account.
+func (t *turn) plan() error {
+	op := t.op
+	selected, err := t.selected()
+	if err != nil {
+		return err
+	}
+	inScope, err := t.exec.Scope(op, selected)
+	if err != nil {
+		return err
+	}
+	if len(inScope) == 0 {
+		if op.Spec.Machines != nil {
+			return errors.New("spec.machines selects no Node: check the selector against `kubectl get nodes --show-labels`")
+		}
+		return errors.New("the cluster has no Nodes")
+	}
+	ms := make([]plan.Machine, 0, len(inScope))
+	for i := range inScope {
+		n := &inScope[i]
+		ms = append(ms, plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations, Version: machine.TalosVersion(n)})
+	}
+	summary, to := t.exec.Target(op)
+	op.Status.Target = summary
+	op.Status.Machines = plan.Initial(ms, to, t.exec.HonourHold())
+	return nil
+}
+
+func (t *turn) selected() ([]corev1.Node, error) {
+	if t.op.Spec.Machines == nil {
+		return t.nodes, nil
+	}
+	sel, err := metav1.LabelSelectorAsSelector(t.op.Spec.Machines)
+	if err != nil {
+		return nil, fmt.Errorf("spec.machines: %w", err)
+	}
+	var out []corev1.Node
+	for _, n := range t.nodes {
+		if sel.Matches(labels.Set(n.Labels)) {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
+
+// node returns the machine's Node (nil if gone), from an index built once per turn.
+func (t *turn) node(name string) *corev1.Node {
+	if t.byName == nil {
+		t.byName = make(map[string]*corev1.Node, len(t.nodes))
+		for i := range t.nodes {
+			t.byName[t.nodes[i].Name] = &t.nodes[i]
+		}
+	}
+	return t.byName[name]
+}
+
+// controlPlanes are the Talos addresses of every control plane, computed once per turn.
+func (t *turn) controlPlanes() []string {
+	if t.cps != nil {
+		return t.cps
+	}
+	t.cps = []string{}
+	for i := range t.nodes {
+		if machine.Role(&t.nodes[i]) == ichorv1.RoleControlPlane {
+			if a := machine.Address(&t.nodes[i]); a != "" {
+				t.cps = append(t.cps, a)
+			}
+		}
+	}
+	sort.Strings(t.cps)
+	return t.cps
+}
+
+func (t *turn) key(name string) machineKey { return machineKey{op: t.persisted.UID, machine: name} }
+
+func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
+	n := t.node(m.Name)
+	addr := ""
+	if n != nil {
+		addr = machine.Address(n)
+	}
+	return &executor.Env{
+		Op: t.persisted, Machine: m, Node: n, Address: addr, ControlPlanes: t.controlPlanes(),
+		Talos: t.talos, Kube: t.r.Client, Clientset: t.r.Clientset,
+		Identity: ichorv1.OperationIdentity(t.op.Namespace, t.op.Name), Log: t.log,
+	}
+}
