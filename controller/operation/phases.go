@@ -28,17 +28,8 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 			return ctrl.Result{}, err
 		}
 	}
-	if t.op.StepFailed() {
-		if !t.retryRuns() {
-			return t.reconcileFailed()
-		}
-		t.retry()
-	} else if t.op.RetryPending() && !t.op.Spec.Paused {
-		// Nothing failed: a retry now would pre-approve a future failure.
-		t.ignoreRetry("no step has failed, so there is nothing to run again")
-	}
-	if t.op.Spec.Paused {
-		return t.reconcilePaused()
+	if result, stopped := t.reconcileStopped(ctx); stopped {
+		return result, nil
 	}
 	held, err := t.acquire(ctx)
 	if err != nil || !held {
@@ -48,10 +39,15 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
 			return ctrl.Result{}, err
 		}
-		t.op.Status.StartTime = &t.now
-		t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", t.op.Status.Target, len(t.op.Status.Machines))
+		t.start()
 	}
 	return t.reconcileRunning(ctx)
+}
+
+// start records that the operation starts running: its machines are fixed.
+func (t *turn) start() {
+	t.op.Status.StartTime = &t.now
+	t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", t.op.Status.Target, len(t.op.Status.Machines))
 }
 
 // refuse records failed checks: deriveStatus makes the operation Refused,
@@ -96,9 +92,28 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 	return false, nil
 }
 
+// reconcileStopped acts on a retry request and runs the phase of an
+// operation that does not advance this turn (a failed step, an operator's
+// pause); stopped says it does not.
+func (t *turn) reconcileStopped(ctx context.Context) (ctrl.Result, bool) {
+	if t.op.StepFailed() {
+		if !t.retryRuns() {
+			return t.reconcileFailed(), true
+		}
+		t.retry()
+	} else if t.op.RetryPending() && !t.op.Spec.Paused {
+		// Nothing failed: a retry now would pre-approve a future failure.
+		t.ignoreRetry("no step has failed, so there is nothing to run again")
+	}
+	if t.op.Spec.Paused {
+		return t.reconcilePaused(), true
+	}
+	return ctrl.Result{}, false
+}
+
 // reconcileFailed keeps an operation whose step failed where it is: it is
 // never retried by itself and nothing is rolled back.
-func (t *turn) reconcileFailed() (ctrl.Result, error) { return ctrl.Result{}, nil }
+func (t *turn) reconcileFailed() ctrl.Result { return ctrl.Result{} }
 
 // retryRuns reports whether a retry request runs now: one is pending and no
 // operator pause holds it back (resuming then runs it).
@@ -133,11 +148,11 @@ func (t *turn) ignoreRetry(why string) {
 
 // reconcilePaused stops an operator-paused operation between steps. It
 // keeps the cluster lock if it holds it.
-func (t *turn) reconcilePaused() (ctrl.Result, error) {
+func (t *turn) reconcilePaused() ctrl.Result {
 	if running := t.r.runner.running(t.op.UID); len(running) > 0 {
 		t.why = "finishing the steps in flight: " + strings.Join(running, ", ")
 	}
-	return ctrl.Result{}, nil
+	return ctrl.Result{}
 }
 
 // reconcileRunning evaluates Wait steps and starts the machines the plan
