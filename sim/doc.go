@@ -80,8 +80,13 @@
 // ApplyConfiguration in every mode, the zero value being REBOOT (Validate,
 // the Kubernetes images against the running Talos version, Talos's
 // CanApplyImmediate for NO_REBOOT and TRY, AUTO choosing, STAGED at the next
-// boot, TRY reverting after its timeout; a kubelet image change restarts the
-// kubelet and the Node reports the new version); EtcdStatus, EtcdMemberList,
+// boot, TRY reverting after its timeout to the configuration active when it
+// came, any other request ending a pending TRY, a dry run answering with
+// Talos's config diff or "No changes."; what Talos's controllers then do:
+// a change of what the kubelet is built from, machine.kubelet or the
+// cluster's DNS, restarts the kubelet, its Service going away and coming
+// back, and the Node reports the new version; machine.nodeLabels,
+// nodeAnnotations and nodeTaints are put on the Node); EtcdStatus, EtcdMemberList,
 // EtcdAlarmList, EtcdAlarmDisarm, EtcdDefragment, EtcdForfeitLeadership,
 // EtcdLeaveCluster, EtcdRemoveMemberByID, EtcdSnapshot, EtcdRecover and
 // Bootstrap (Unimplemented on workers); GenerateClientConfiguration; COSI
@@ -121,8 +126,14 @@
 // # Kubernetes
 //
 // With a kube client, every machine registers its Node (or adopts an
-// existing one): labels kubernetes.io/hostname, node-role.kubernetes.io/
-// control-plane on control planes (with its NoSchedule taint) and FleetLabel;
+// existing one): labels kubernetes.io/hostname and FleetLabel, and what
+// Talos's NodeApplyController puts there from the active configuration, at
+// registration, at every boot and after every live change:
+// machine.nodeLabels and node-role.kubernetes.io/control-plane on control
+// planes (with its NoSchedule taint unless cluster.allowSchedulingOnControlPlanes),
+// machine.nodeAnnotations, machine.nodeTaints ("value:Effect"), recorded in
+// talos.dev/owned-labels, -annotations and -taints, so that what the
+// configuration drops is removed and what someone else set is left alone;
 // InternalIP = the machine's address; Ready, nodeInfo.osImage "Talos (vX)",
 // kubeletVersion, bootID; status through the status subresource. The Node
 // goes Unknown (NotReady) while the machine is down and Ready when it is

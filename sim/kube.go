@@ -129,14 +129,19 @@ func (k *kube) register(ctx context.Context, m *Machine) error {
 		Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", Message: "kubelet is posting ready status",
 		LastHeartbeatTime: now, LastTransitionTime: now,
 	}}
-	if m.spec.Role == ControlPlane {
-		labels[constants.LabelNodeRoleControlPlane] = ""
-		node.Spec.Taints = []corev1.Taint{{Key: constants.LabelNodeRoleControlPlane, Effect: corev1.TaintEffectNoSchedule}}
+	kv := nodeKVOf(m.Config(), m.spec.Role)
+	if err := kv.applyTo(node); err != nil {
+		return err
 	}
 	k.mu.Lock()
 	k.ready[m.Name()] = true
 	k.mu.Unlock()
 	_, err := k.cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
+	if err == nil {
+		m.node.mu.Lock()
+		m.node.applied = &kv
+		m.node.mu.Unlock()
+	}
 	if !apierrors.IsAlreadyExists(err) {
 		return err
 	}
@@ -145,6 +150,7 @@ func (k *kube) register(ctx context.Context, m *Machine) error {
 	if _, err := k.cs.CoreV1().Nodes().Patch(ctx, m.Name(), types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		return err
 	}
+	k.syncNodeConfig(m)
 	return k.writeStatus(ctx, m, true, true)
 }
 

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"reflect"
 	"time"
 
 	"github.com/blang/semver/v4"
@@ -194,8 +195,8 @@ func configResource(cfg config.Provider, persistent bool) *configres.MachineConf
 }
 
 // applyLive makes cfg the active configuration (and the persisted one,
-// unless it is a TRY that reverts after try). A changed kubelet image
-// restarts the kubelet, which then reports its new version on the Node.
+// unless it is a TRY that reverts after try), and Talos's controllers act on
+// the change (liveChanged).
 func (m *Machine) applyLive(cfg config.Provider, persist bool, try time.Duration) {
 	m.mu.Lock()
 	old := m.cfg
@@ -209,7 +210,7 @@ func (m *Machine) applyLive(cfg config.Provider, persist bool, try time.Duration
 	}
 	if try > 0 {
 		boot := m.bootID
-		m.tryTimer = time.AfterFunc(try, func() { m.revertTry(boot) })
+		m.tryTimer = time.AfterFunc(try, func() { m.revertTry(boot, old) })
 	}
 	m.mu.Unlock()
 	m.put(configResource(cfg, false))
@@ -219,15 +220,17 @@ func (m *Machine) applyLive(cfg config.Provider, persist bool, try time.Duration
 	m.liveChanged(old, cfg)
 }
 
-// revertTry goes back to the persisted configuration when a TRY apply times out.
-func (m *Machine) revertTry(boot string) {
+// revertTry goes back to the configuration that was active when the TRY
+// apply came (Talos's RollbackToConfigAfter keeps that one, not the
+// persisted one) once its timeout has passed.
+func (m *Machine) revertTry(boot string, to config.Provider) {
 	m.mu.Lock()
 	if m.bootID != boot || m.tryTimer == nil {
 		m.mu.Unlock()
 		return
 	}
 	m.tryTimer = nil
-	old, cfg := m.cfg, m.persisted
+	old, cfg := m.cfg, to
 	m.cfg = cfg
 	m.mu.Unlock()
 	m.f.logf("%s: try configuration reverted", m.Name())
@@ -235,10 +238,14 @@ func (m *Machine) revertTry(boot string) {
 	m.liveChanged(old, cfg)
 }
 
+// liveChanged is what Talos's controllers do when the active configuration
+// changes: the kubelet restarts when its inputs change, and the Node gets
+// the configuration's labels, annotations and taints.
 func (m *Machine) liveChanged(old, cfg config.Provider) {
-	if old.RawV1Alpha1().Machine().Kubelet().Image() != cfg.RawV1Alpha1().Machine().Kubelet().Image() {
+	if !reflect.DeepEqual(kubeletInputsOf(old), kubeletInputsOf(cfg)) {
 		m.restartService("kubelet")
 	}
+	m.f.kube.syncNodeConfigLater(m)
 }
 
 // cancelTry drops a pending TRY revert, as any other apply mode does.

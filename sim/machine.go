@@ -51,6 +51,7 @@ type Machine struct {
 	images     map[string]string
 
 	kubeletRunning bool
+	node           nodeSync // the labels, annotations and taints put on the Node
 
 	memberID        uint64
 	etcdRunning     bool
@@ -374,6 +375,7 @@ func (m *Machine) boot(actor string) {
 		}
 	}
 	m.f.kube.nodeUp(m)
+	m.f.kube.syncNodeConfig(m)
 	// Back in one step: from here on it answers, and the recorder counts it
 	// as up, so a controller that sees it answer never sees it "down".
 	m.mu.Lock()

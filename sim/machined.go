@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/siderolabs/talos/pkg/machinery/api/common"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	"github.com/siderolabs/talos/pkg/machinery/config/configdiff"
 	"github.com/siderolabs/talos/pkg/machinery/config/configloader"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
 	"github.com/siderolabs/talos/pkg/machinery/role"
@@ -440,6 +441,11 @@ func (s *machined) ApplyConfiguration(ctx context.Context, in *machine.ApplyConf
 	if !rolesFrom(ctx).Includes(role.Admin) {
 		return nil, status.Error(codes.PermissionDenied, "not authorized")
 	}
+	if in.Mode != machine.ApplyConfigurationRequest_TRY {
+		// As Talos: any other request, even one refused below or a dry
+		// run, ends a pending TRY (it is then never reverted).
+		m.cancelTry()
+	}
 	cfg, err := configloader.NewFromBytes(in.Data)
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
@@ -468,13 +474,17 @@ func (s *machined) ApplyConfiguration(ctx context.Context, in *machine.ApplyConf
 		return nil, fmt.Errorf("incorrect mode '%s' specified for the apply config call", in.Mode)
 	}
 	if in.DryRun {
+		diff, err := configdiff.DiffConfigs(current, cfg)
+		if err != nil {
+			return nil, fmt.Errorf("failed to generate diff: %w", err)
+		}
+		if diff == "" {
+			diff = "No changes."
+		}
 		return &machine.ApplyConfigurationResponse{Messages: []*machine.ApplyConfiguration{{
 			Mode:        mode,
-			ModeDetails: fmt.Sprintf("Dry run summary:\n%s (skipped in dry-run).", details),
+			ModeDetails: fmt.Sprintf("Dry run summary:\n%s (skipped in dry-run).\nConfig diff:\n\n%s", details, diff),
 		}}}, nil
-	}
-	if mode != machine.ApplyConfigurationRequest_TRY {
-		m.cancelTry()
 	}
 	switch mode {
 	case machine.ApplyConfigurationRequest_TRY:
