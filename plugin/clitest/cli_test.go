@@ -204,9 +204,9 @@ func TestCreateRefusesBadInput(t *testing.T) {
 	if !regexp.MustCompile(`^talosoperation\.ichor\.maesh\.dev/upgrade-talos-\w+ created \(server dry run\)\n$`).MatchString(out) {
 		t.Errorf("server dry run printed %q", out)
 	}
-	out = ok(t, "ichor", "-n", ns, "upgrade", "talos", "--to", "1.13.7", "--dry-run=client")
-	if !strings.Contains(out, "generateName: upgrade-talos-") || !strings.Contains(out, "version: v1.13.7") {
-		t.Errorf("client dry run printed\n%s", out)
+	dry := ok(t, "ichor", "-n", ns, "upgrade", "talos", "--to", "1.13.7", "--dry-run=client")
+	if !regexp.MustCompile(`(?m)^  name: upgrade-talos-[a-z0-9]{5}$`).MatchString(dry) || !strings.Contains(dry, "version: v1.13.7") || strings.Contains(dry, "status:") {
+		t.Errorf("client dry run printed\n%s", dry)
 	}
 	list := &ichorv1.TalosOperationList{}
 	if err := env.Client.List(context.Background(), list, client.InNamespace(ns)); err != nil {
@@ -214,6 +214,19 @@ func TestCreateRefusesBadInput(t *testing.T) {
 	}
 	if len(list.Items) != 0 {
 		t.Errorf("bad input and dry runs created %d operations", len(list.Items))
+	}
+
+	// What a client dry run prints, kubectl applies as it is.
+	file := filepath.Join(t.TempDir(), "op.yaml")
+	if err := os.WriteFile(file, []byte(dry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	name := regexp.MustCompile(`(?m)^  name: (\S+)$`).FindStringSubmatch(dry)[1]
+	if out := ok(t, "apply", "-f", file); out != "talosoperation.ichor.maesh.dev/"+name+" created\n" {
+		t.Errorf("kubectl apply of the client dry run printed %q", out)
+	}
+	if got := getOp(t, ns, name); got.Spec.Talos == nil || got.Spec.Talos.Version != "v1.13.7" {
+		t.Errorf("applied operation: %+v", got.Spec)
 	}
 }
 

@@ -10,6 +10,9 @@ import (
 
 	"github.com/spf13/cobra"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilrand "k8s.io/apimachinery/pkg/util/rand"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
 	cmdutil "k8s.io/kubectl/pkg/cmd/util"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -77,7 +80,7 @@ func (o *createOptions) Complete(cmd *cobra.Command, args []string) error {
 		return err
 	}
 	if o.dryRun == cmdutil.DryRunClient && !cmd.Flags().Changed("output") {
-		// A generated name is only known once the server has made one: show the object.
+		// A client dry run is for looking at the object, or applying it later.
 		out := "yaml"
 		o.printFlags.OutputFormat = &out
 	}
@@ -136,7 +139,11 @@ func (o *createOptions) Run(ctx context.Context) error {
 		return err
 	}
 	if o.dryRun == cmdutil.DryRunClient {
-		return printer.PrintObj(o.op, o.e.Streams.Out)
+		obj, err := applyable(o.op)
+		if err != nil {
+			return err
+		}
+		return printer.PrintObj(obj, o.e.Streams.Out)
 	}
 	c, err := o.e.NewClient()
 	if err != nil {
@@ -161,6 +168,24 @@ func (o *createOptions) Run(ctx context.Context) error {
 		view = o.e.Streams.ErrOut
 	}
 	return o.e.follow(ctx, c, o.namespace, o.op.Name, o.follow, view, -1)
+}
+
+// applyable is the operation as a client dry run prints it, so that
+// `kubectl apply -f` takes the output as it is: with a name (apply cannot
+// generate one; this is generateName plus five random characters, as the
+// API server makes them) and without the empty status the controller owns.
+func applyable(op *ichorv1.TalosOperation) (*unstructured.Unstructured, error) {
+	op = op.DeepCopy()
+	if op.Name == "" {
+		op.Name, op.GenerateName = op.GenerateName+utilrand.String(5), ""
+	}
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(op)
+	if err != nil {
+		return nil, err
+	}
+	delete(m, "status")
+	unstructured.RemoveNestedField(m, "metadata", "creationTimestamp")
+	return &unstructured.Unstructured{Object: m}, nil
 }
 
 // confirm asks on the terminal before something that can take the cluster
