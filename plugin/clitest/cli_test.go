@@ -178,7 +178,7 @@ func TestCreateRefusesBadInput(t *testing.T) {
 		{[]string{"upgrade", "talos"}, "error: required flag(s) \"to\" not set\nSee 'kubectl ichor upgrade talos -h' for help and examples\n"},
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "--max-unavailable", "0"}, "error: --max-unavailable must be at least 1, not 0\nSee 'kubectl ichor upgrade talos -h' for help and examples\n"},
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "-l", "zone in (a"}, ""},
-		{[]string{"shutdown"}, "error: This shuts down every machine of the cluster.: confirm with --yes (-y); there is no terminal to ask on\n"},
+		{[]string{"shutdown"}, "error: this shuts down every machine of the cluster; confirm with --yes (-y), as there is no terminal to ask on\n"},
 		{[]string{"node", "reset", "worker-1"}, ""},
 		{[]string{"node", "restart-service", "worker-1"}, "error: --service is required: name the service to restart, like kubelet\nSee 'kubectl ichor node restart-service -h' for help and examples\n"},
 		{[]string{"restore", "etcd", "--snapshot", "http://example/x", "-y"}, `re:^The TalosOperation "restore-etcd-\w+" is invalid: spec.etcdRestore.snapshot: Invalid value: "http://example/x": must be a file:// or s3:// URL\n$`},
@@ -437,7 +437,7 @@ func TestRenamedBinary(t *testing.T) {
 		return out.String(), errOut.String(), code
 	}
 	help, _, _ := run("--help")
-	for _, want := range []string{"Usage:\n  ichor [command]", "ichor starts, watches and steers", `Use "ichor [command] --help"`} {
+	for _, want := range []string{"ichor starts, watches and steers", `Use "ichor <command> --help"`, `Use "ichor options"`} {
 		if !strings.Contains(help, want) {
 			t.Errorf("ichor --help lacks %q:\n%s", want, help)
 		}
@@ -446,7 +446,7 @@ func TestRenamedBinary(t *testing.T) {
 		t.Errorf("ichor --help speaks of kubectl ichor:\n%s", help)
 	}
 	sub, _, _ := run("upgrade", "talos", "--help")
-	if !strings.Contains(sub, "  ichor upgrade talos --to VERSION [flags]") || !strings.Contains(sub, "  ichor upgrade talos --to v1.13.7 --watch") {
+	if !strings.Contains(sub, "  ichor upgrade talos --to VERSION [options]") || !strings.Contains(sub, "  ichor upgrade talos --to v1.13.7 --watch") {
 		t.Errorf("ichor upgrade talos --help:\n%s", sub)
 	}
 	_, stderr, code := run("upgrade", "talos")
@@ -460,7 +460,7 @@ func TestRenamedBinary(t *testing.T) {
 		t.Errorf("ichor watch of a failed operation: exit %d, stderr %q", code, stderr)
 	}
 	// And through kubectl the same binary says kubectl ichor.
-	if out := ok(t, "ichor", "--help"); !strings.Contains(out, "Usage:\n  kubectl ichor [command]") {
+	if out := ok(t, "ichor", "--help"); !strings.Contains(out, `Use "kubectl ichor <command> --help"`) {
 		t.Errorf("kubectl ichor --help:\n%s", out)
 	}
 }
@@ -674,6 +674,60 @@ func TestKubectlCompletesThePlugin(t *testing.T) {
 	out = ok(t, "__complete", "ichor", "operation", "pause", "-n", ns, "")
 	if !strings.Contains(out, "running-op") {
 		t.Errorf("kubectl completes pause with\n%s", out)
+	}
+	// --to offers the versions of the compatibility table, newest first.
+	table, err := compat.Default()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out = ok(t, "__complete", "ichor", "upgrade", "talos", "--to", "")
+	if want := table.Newest().Latest.String() + "\n"; !strings.HasPrefix(out, want) || !strings.Contains(out, table.Oldest().Latest.String()+"\n") {
+		t.Errorf("kubectl completes --to with\n%s\nwant %s first", out, want)
+	}
+	out = ok(t, "__complete", "ichor", "upgrade", "kubernetes", "--to", "v1.3")
+	if !regexp.MustCompile(`^v1\.3\d\.\n`).MatchString(out) {
+		t.Errorf("kubectl completes kubernetes --to with\n%s", out)
+	}
+}
+
+// TestHelp: a command's help lists its own flags, the global ones are
+// behind 'options' (as kubectl's are), and a subcommand that does not exist
+// is called unknown, with a suggestion.
+func TestHelp(t *testing.T) {
+	sub := ok(t, "ichor", "upgrade", "talos", "--help")
+	for _, want := range []string{"--to='':", "--max-unavailable=0:", `Use "kubectl ichor options" for a list of global command-line options`} {
+		if !strings.Contains(sub, want) {
+			t.Errorf("upgrade talos --help lacks %q:\n%s", want, sub)
+		}
+	}
+	for _, global := range []string{"--kubeconfig", "--as-group", "--controller-namespace", "--color"} {
+		if strings.Contains(sub, global) {
+			t.Errorf("upgrade talos --help lists the global flag %s:\n%s", global, sub)
+		}
+	}
+	opts := ok(t, "ichor", "options")
+	for _, want := range []string{"The following options can be passed to any command:", "--kubeconfig=''", "-n, --namespace=''", "--controller-namespace='ichor-system'", "--color=auto"} {
+		if !strings.Contains(opts, want) {
+			t.Errorf("options lacks %q:\n%s", want, opts)
+		}
+	}
+	tests := []struct {
+		args []string
+		err  string
+	}{
+		{[]string{"upgrade", "talso", "--to", "1.13.7"}, "error: unknown command \"talso\" for \"kubectl ichor upgrade\"; did you mean talos?\nSee 'kubectl ichor upgrade -h' for help and examples\n"},
+		{[]string{"operation", "lsit"}, "error: unknown command \"lsit\" for \"kubectl ichor operation\"; did you mean list?\nSee 'kubectl ichor operation -h' for help and examples\n"},
+		{[]string{"node", "frobnicate", "w-1"}, "error: unknown command \"frobnicate\" for \"kubectl ichor node\"\nSee 'kubectl ichor node -h' for help and examples\n"},
+	}
+	for _, tt := range tests {
+		r := kubectl(t, "", append([]string{"ichor"}, tt.args...)...)
+		if r.code != 1 || r.err != tt.err {
+			t.Errorf("%v: exit %d, stderr\n%q\nwant exit 1 and\n%q", tt.args, r.code, r.err, tt.err)
+		}
+	}
+	// Without a subcommand, a group prints its help.
+	if out := ok(t, "ichor", "upgrade"); !strings.Contains(out, "Available Commands:\n") || !strings.Contains(out, "  talos ") {
+		t.Errorf("upgrade without a subcommand printed\n%s", out)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
 
@@ -110,6 +111,45 @@ func (e *Env) completeNodes(cmd *cobra.Command, args []string, toComplete string
 		}
 	}
 	return names, cobra.ShellCompDirectiveNoFileComp
+}
+
+// completeTalosVersions offers the latest patch of each Talos minor in
+// Ichor's compatibility table, newest first: the versions preflight accepts.
+func completeTalosVersions(_ *cobra.Command, _ []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	table, err := compat.Default()
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveError
+	}
+	var out []string
+	for i := len(table.Talos) - 1; i >= 0; i-- {
+		v := table.Talos[i].Latest.String()
+		if strings.HasPrefix(v, toComplete) || strings.HasPrefix(strings.TrimPrefix(v, "v"), toComplete) {
+			out = append(out, v)
+		}
+	}
+	return out, cobra.ShellCompDirectiveNoFileComp | cobra.ShellCompDirectiveKeepOrder
+}
+
+// completeKubernetesVersions offers the Kubernetes minors the newest Talos
+// of the compatibility table runs, newest first, as "v1.36." for the patch
+// to be typed: the table knows minors, not every patch release.
+func completeKubernetesVersions(_ *cobra.Command, _ []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	table, err := compat.Default()
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveError
+	}
+	span, ok := table.KubernetesRange(table.Newest().Minor)
+	if !ok {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	var out []string
+	for m := int(span.Max.Minor); m >= int(span.Min.Minor); m-- {
+		v := fmt.Sprintf("v%d.%d.", span.Max.Major, m)
+		if strings.HasPrefix(v, toComplete) || strings.HasPrefix(strings.TrimPrefix(v, "v"), toComplete) {
+			out = append(out, v)
+		}
+	}
+	return out, cobra.ShellCompDirectiveNoFileComp | cobra.ShellCompDirectiveNoSpace | cobra.ShellCompDirectiveKeepOrder
 }
 
 func contains(list []string, s string) bool {

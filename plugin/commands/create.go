@@ -192,7 +192,7 @@ func applyable(op *ichorv1.TalosOperation) (*unstructured.Unstructured, error) {
 // down. Without a terminal it refuses: --yes says it was meant.
 func (e *Env) confirm(what string) error {
 	if !e.IsTerminal(e.Streams.In) {
-		return fmt.Errorf("%s: confirm with --yes (-y); there is no terminal to ask on", what)
+		return fmt.Errorf("%s; confirm with --yes (-y), as there is no terminal to ask on", sentenceInside(what))
 	}
 	fmt.Fprintf(e.Streams.ErrOut, "%s\nProceed? [y/N]: ", what)
 	answer, err := bufio.NewReader(e.Streams.In).ReadString('\n')
@@ -204,6 +204,16 @@ func (e *Env) confirm(what string) error {
 		return nil
 	}
 	return fmt.Errorf("aborted by user")
+}
+
+// sentenceInside turns a sentence into a clause that can start an error
+// message: "This resets x." becomes "this resets x".
+func sentenceInside(s string) string {
+	s = strings.TrimSuffix(strings.TrimSpace(s), ".")
+	if s == "" {
+		return s
+	}
+	return strings.ToLower(s[:1]) + s[1:]
 }
 
 var versionRE = regexp.MustCompile(`^v[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?$`)
@@ -266,6 +276,7 @@ func newUpgradeTalosCmd(e *Env) *cobra.Command {
 		c.Flags().StringVar(&repo, "image-repository", "", "Registry serving installer images (default factory.talos.dev)")
 		c.Flags().StringVar(&rebootMode, "reboot-mode", "", "How machines reboot: default (kexec where possible) or powercycle")
 		_ = c.MarkFlagRequired("to")
+		_ = c.RegisterFlagCompletionFunc("to", completeTalosVersions)
 	})
 }
 
@@ -296,6 +307,7 @@ func newUpgradeKubernetesCmd(e *Env) *cobra.Command {
 		c.Flags().StringVar(&to, "to", "", "Kubernetes version to run, "+strings.ReplaceAll(versionHelp, "1.13.7", "1.36.2"))
 		c.Flags().BoolVar(&prePull, "pre-pull-images", true, "Pull the new images on every machine before any component moves")
 		_ = c.MarkFlagRequired("to")
+		_ = c.RegisterFlagCompletionFunc("to", completeKubernetesVersions)
 	})
 }
 

@@ -40,7 +40,6 @@ func newListCmd(e *Env) *cobra.Command {
 	cmd.Use = "list [NAME...]"
 	cmd.Aliases = []string{"get", "ls"}
 	cmd.SuggestFor = nil
-	cmd.DisableFlagsInUseLine = false
 	cmd.Short = "List operations, or print some (like kubectl get talosoperations)"
 	cmd.Long = fmt.Sprintf(`List TalosOperations, or print the named ones. This is kubectl get for
 TalosOperations: the same table (its columns come from the server), the same

@@ -4,6 +4,7 @@
 package commands
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
@@ -21,7 +22,9 @@ import (
 	"k8s.io/cli-runtime/pkg/genericiooptions"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
+	"k8s.io/kubectl/pkg/cmd/options"
 	cmdutil "k8s.io/kubectl/pkg/cmd/util"
+	"k8s.io/kubectl/pkg/util/templates"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
@@ -112,14 +115,9 @@ func DisplayName(argv0 string) string {
 	return base
 }
 
-// Command groups in `--help`.
-const (
-	groupOperations = "operations"
-	groupControl    = "control"
-	groupInspect    = "inspect"
-)
-
-// NewRoot builds the command tree.
+// NewRoot builds the command tree. Help reads as kubectl's: each command
+// lists its own flags, and the flags every command takes (kubeconfig,
+// namespace, --color, -v) are behind '<name> options', as 'kubectl options'.
 func NewRoot(e *Env) *cobra.Command {
 	root := &cobra.Command{
 		Use:   strings.ReplaceAll(e.Name, " ", "-"),
@@ -141,6 +139,8 @@ refused it), 3 --timeout expired, 130 interrupted.`, e.Name),
 			cmd.SetOut(e.Streams.Out)
 			return nil
 		},
+		// Runnable, like kubectl, so its help points at 'options' too.
+		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
 	root.SetIn(e.Streams.In)
 	root.SetOut(e.Streams.Out)
@@ -157,24 +157,80 @@ refused it), 3 --timeout expired, 130 interrupted.`, e.Name),
 		return []string{string(ColorAuto), string(ColorAlways), string(ColorNever)}, cobra.ShellCompDirectiveNoFileComp
 	})
 
-	root.AddGroup(
-		&cobra.Group{ID: groupOperations, Title: "Start an operation:"},
-		&cobra.Group{ID: groupControl, Title: "Follow and steer operations:"},
-		&cobra.Group{ID: groupInspect, Title: "Inspect the cluster and Ichor:"},
-	)
-	add := func(group string, cmds ...*cobra.Command) {
-		for _, c := range cmds {
-			c.GroupID = group
-			root.AddCommand(c)
-		}
+	groups := templates.CommandGroups{
+		{Message: "Start an operation:", Commands: []*cobra.Command{newUpgradeCmd(e), newNodeCmd(e), newConfigCmd(e), newShutdownCmd(e), newRotateCmd(e), newRestoreCmd(e)}},
+		{Message: "Follow and steer operations:", Commands: []*cobra.Command{newOperationCmd(e), newWatchCmd(e), newRetryCmd(e)}},
+		{Message: "Inspect the cluster and Ichor:", Commands: []*cobra.Command{newLockCmd(e), newCompatCmd(e), newVersionCmd(e), newCompletionCmd(e, root)}},
 	}
-	add(groupOperations, newUpgradeCmd(e), newNodeCmd(e), newConfigCmd(e), newShutdownCmd(e), newRotateCmd(e), newRestoreCmd(e))
-	add(groupControl, newOperationCmd(e), newWatchCmd(e), newRetryCmd(e))
-	add(groupInspect, newLockCmd(e), newCompatCmd(e), newVersionCmd(e))
-	root.AddCommand(newCompletionCmd(e, root))
-	root.SetHelpCommandGroupID(groupInspect)
-	root.SetCompletionCommandGroupID(groupInspect)
+	groups.Add(root)
+	root.AddCommand(options.NewCmdOptions(e.Streams.Out))
+	templates.ActsAsRootCommand(root, []string{"options"}, groups...)
+	sayDisplayName(root, e.Name)
+	// Errors get their hint once, in Execute.
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	// 'help COMMAND' works; the list of commands does not show it, as kubectl's does not.
+	root.InitDefaultHelpCmd()
+	if help, _, err := root.Find([]string{"help"}); err == nil && help != root {
+		help.Hidden = true
+	}
+	forEachCommand(root, func(c *cobra.Command) {
+		c.DisableFlagsInUseLine = true // the usage line says [options], as kubectl's
+		reportUnknownSubcommand(c)
+	})
 	return root
+}
+
+// sayDisplayName fixes the one line of kubectl's help template that names
+// the root by its Use ("kubectl-ichor") instead of its display name
+// ("kubectl ichor"): 'Use "kubectl ichor <command> --help" ...'.
+func sayDisplayName(root *cobra.Command, name string) {
+	if root.Name() == name {
+		return
+	}
+	usage := root.UsageFunc()
+	wrong, right := `Use "`+root.Name()+" ", `Use "`+name+" "
+	root.SetUsageFunc(func(c *cobra.Command) error {
+		out := c.OutOrStderr()
+		var b bytes.Buffer
+		c.SetOut(&b)
+		c.SetErr(&b)
+		err := usage(c)
+		c.SetOut(out)
+		c.SetErr(out)
+		_, werr := io.WriteString(out, strings.ReplaceAll(b.String(), wrong, right))
+		return errors.Join(err, werr)
+	})
+}
+
+func forEachCommand(c *cobra.Command, f func(*cobra.Command)) {
+	f(c)
+	for _, sub := range c.Commands() {
+		forEachCommand(sub, f)
+	}
+}
+
+// reportUnknownSubcommand makes a command that only groups others (upgrade,
+// node, operation...) say that a subcommand it does not have is unknown,
+// as cobra does for the root, instead of printing its help or failing on
+// the flags meant for the subcommand ("unknown flag: --to"). Without
+// arguments it prints its help.
+func reportUnknownSubcommand(c *cobra.Command) {
+	if !c.HasParent() || !c.HasSubCommands() || c.Runnable() {
+		return
+	}
+	c.FParseErrWhitelist.UnknownFlags = true
+	c.SuggestionsMinimumDistance = 2 // cobra's default, which it sets for the root only
+	c.Args = func(cmd *cobra.Command, args []string) error {
+		if len(args) == 0 {
+			return nil
+		}
+		msg := fmt.Sprintf("unknown command %q for %q", args[0], cmd.CommandPath())
+		if s := cmd.SuggestionsFor(args[0]); len(s) > 0 {
+			msg += "; did you mean " + strings.Join(s, " or ") + "?"
+		}
+		return usageErrorf("%s", msg)
+	}
+	c.RunE = func(cmd *cobra.Command, _ []string) error { return cmd.Help() }
 }
 
 // fatalExit carries kubectl's fatal error handler out of code (kubectl's own
