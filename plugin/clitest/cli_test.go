@@ -759,3 +759,57 @@ func TestCompat(t *testing.T) {
 		t.Errorf("unsupported combination: exit %d, stderr %q", r.code, r.err)
 	}
 }
+
+// TestWatchOnATerminal follows operations on a real terminal: the live view
+// says that a failed machine was left cordoned, gives the cause in full and
+// lists the operations queued for the lock; Ctrl-C stops following, says
+// the operation keeps running and exits 130.
+func TestWatchOnATerminal(t *testing.T) {
+	ctx := context.Background()
+	ns, other := env.Namespace(t), env.Namespace(t)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "cp-cordoned"}, Spec: corev1.NodeSpec{Unschedulable: true}}
+	if err := env.Client.Create(ctx, node); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Client.Delete(ctx, node) })
+	failed := failedStatus()
+	failed.Machines[0].Name = node.Name
+	failed.Machines[0].Message = "pull factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.13.70: " +
+		"rpc error: code = NotFound desc = failed to pull image: failed to resolve reference: factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.13.70: not found"
+	setStatus(t, createOp(t, ns, "held-up"), failed)
+	setStatus(t, createOp(t, other, "next-in-line"), ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonClusterLockHeld,
+		Lock: ichorv1.LockWaiting, LockHolder: ichorv1.OperationIdentity(ns, "held-up")})
+
+	p := startTerminal(t, "ichor", "watch", "held-up", "-n", ns)
+	if code := p.wait(t); code != 2 {
+		t.Fatalf("watch of a failed operation on a terminal: exit %d, want 2:\n%s", code, p.stdout())
+	}
+	out := p.stdout()
+	for _, want := range []string{
+		node.Name + " at step upgrade; " + node.Name + " was left cordoned",
+		"Cause:   pull factory.talos.dev/metal-installer/37656798…:v1.13.70: rpc error: code = NotFound",
+		"metal-installer/37656798…:v1.13.70: not found",
+		"Queue:   ",
+		other + "/next-in-line (talos)",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the live view lacks %q:\n%s", want, out)
+		}
+	}
+
+	running := createOp(t, ns, "long-one")
+	setStatus(t, running, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning, Lock: ichorv1.LockHeld, Progress: "0/1",
+		Machines: []ichorv1.MachineStatus{{Name: "w-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "drain", From: "v1.12.4", To: "v1.13.7"}}})
+	p = startTerminal(t, "ichor", "watch", "long-one", "-n", ns)
+	p.waitOutput(t, "v1.12.4 → v1.13.7  InProgress")
+	p.typeKeys(t, "\x03") // Ctrl-C
+	if code := p.wait(t); code != 130 {
+		t.Errorf("Ctrl-C: exit %d, want 130:\n%s", code, p.stdout())
+	}
+	if want := "stopped following talosoperation.ichor.maesh.dev/long-one; the operation keeps running (Running, 0/1)"; !strings.Contains(p.stdout(), want) || strings.Contains(p.stdout(), "error:") {
+		t.Errorf("Ctrl-C printed\n%s\nwant %q and no error", p.stdout(), want)
+	}
+	if got := getOp(t, ns, "long-one"); got.DeletionTimestamp != nil || got.Spec.Paused {
+		t.Errorf("stopping the watch touched the operation: %+v", got.ObjectMeta)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/creack/pty"
 
 	"maesh.dev/ichor/internal/testenv"
 )
@@ -92,6 +95,7 @@ func ok(t *testing.T, args ...string) string {
 // proc is kubectl running in the background, its output collected as it comes.
 type proc struct {
 	cmd      *exec.Cmd
+	tty      *os.File // the terminal's master side, for startTerminal
 	mu       sync.Mutex
 	out, err bytes.Buffer
 	done     chan struct{}
@@ -136,6 +140,55 @@ func start(t *testing.T, args ...string) *proc {
 		<-p.done
 	})
 	return p
+}
+
+// startTerminal runs kubectl on a terminal of 120x40, as a person would:
+// stdin, stdout and stderr are the terminal, which is the process's
+// controlling terminal, so typing Ctrl-C (type) interrupts it. Everything
+// it prints is in stdout.
+func startTerminal(t *testing.T, args ...string) *proc {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	p := &proc{cmd: exec.CommandContext(ctx, testenv.Kubectl, args...), done: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), "KUBECONFIG="+env.Kubeconfig, "NO_COLOR=1", "TERM=xterm")
+	p.cmd.Env = append(p.cmd.Env, pathEnv()...)
+	tty, err := pty.StartWithSize(p.cmd, &pty.Winsize{Rows: 40, Cols: 120})
+	if err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	p.tty = tty
+	copied := make(chan struct{})
+	go func() {
+		defer close(copied)
+		_, _ = io.Copy(lockedWriter{&p.mu, &p.out}, tty) // ends with EIO once the process is gone
+	}()
+	go func() {
+		defer cancel()
+		err := p.cmd.Wait()
+		var exit *exec.ExitError
+		if errors.As(err, &exit) {
+			p.code = exit.ExitCode()
+		} else if err != nil {
+			p.code = -1
+		}
+		_ = tty.Close()
+		<-copied
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	})
+	return p
+}
+
+// typeKeys types on the terminal of a process started by startTerminal.
+func (p *proc) typeKeys(t *testing.T, keys string) {
+	t.Helper()
+	if _, err := p.tty.Write([]byte(keys)); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func (p *proc) stdout() string {

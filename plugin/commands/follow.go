@@ -13,9 +13,11 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/duration"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
@@ -108,7 +110,7 @@ func failure(op *ichorv1.TalosOperation, command string) error {
 	}
 	msg := view.Clean(op.Status.FailureReason)
 	if m := op.Status.FailedMachine(); m != nil {
-		msg += fmt.Sprintf(" (machine %s, step %s: %s)", view.Clean(m.Name), view.Clean(m.Step), view.Clean(m.Message))
+		msg += fmt.Sprintf(" (machine %s, step %s: %s)", view.Clean(m.Name), view.Clean(m.Step), view.Shorten(view.Clean(m.Message)))
 	}
 	next := fmt.Sprintf("%s retry %s", command, op.Name)
 	if op.PausedByOperator() {
@@ -127,16 +129,58 @@ type display interface {
 	close(last *ichorv1.TalosOperation, err error) error
 }
 
-func (e *Env) newDisplay(ff followFlags, out io.Writer) display {
+func (e *Env) newDisplay(ctx context.Context, c client.Reader, ff followFlags, out io.Writer) display {
 	switch {
 	case ff.json:
 		return &jsonDisplay{out: out}
 	case ff.wait && !ff.watch:
 		return &quietDisplay{e: e, out: out}
 	case e.IsTerminal(out):
-		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out)}
+		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out), around: &surroundings{ctx: ctx, c: c}}
 	}
 	return &logDisplay{e: e, out: out}
+}
+
+// surroundings reads what the live view shows besides the operation: which
+// failed machines' Nodes are cordoned, and which operations wait for the
+// cluster lock. It reads again at most every few seconds, or when the failed
+// machines change; what it may not read (RBAC) it leaves out.
+type surroundings struct {
+	ctx    context.Context
+	c      client.Reader
+	last   time.Time
+	failed string
+	facts  view.Options
+}
+
+const surroundingsEvery = 3 * time.Second
+
+func (s *surroundings) read(op *ichorv1.TalosOperation, now time.Time) view.Options {
+	var failed []string
+	for _, m := range op.Status.Machines {
+		if m.Phase == ichorv1.MachineFailed {
+			failed = append(failed, m.Name)
+		}
+	}
+	key := strings.Join(failed, ",")
+	if s.ctx.Err() != nil || (key == s.failed && now.Sub(s.last) < surroundingsEvery) {
+		return s.facts
+	}
+	s.last, s.failed = now, key
+	s.facts.Cordoned = map[string]bool{}
+	for _, name := range failed[:min(len(failed), 3)] {
+		n := &corev1.Node{}
+		if err := s.c.Get(s.ctx, types.NamespacedName{Name: name}, n); err == nil && n.Spec.Unschedulable {
+			s.facts.Cordoned[name] = true
+		}
+	}
+	s.facts.Queue = nil
+	if waiting, unknown, err := lockWaiters(s.ctx, s.c); err == nil && unknown == "" {
+		for _, w := range waiting {
+			s.facts.Queue = append(s.facts.Queue, view.QueuedOperation{Namespace: w.Namespace, Name: w.Name, Kind: ichorv1.OperationKind(w.Kind)})
+		}
+	}
+	return s.facts
 }
 
 // follow shows one operation until it succeeds (nil), fails (exit 2), the
@@ -158,7 +202,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	w := watchOperations(ctx, c, ns, name)
 	defer w.Stop()
 
-	d := e.newDisplay(ff, out)
+	d := e.newDisplay(ctx, c, ff, out)
 	if err := d.update(watch.Added, op); err != nil {
 		return err
 	}
@@ -200,10 +244,17 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			err := exitError(ExitTimeout, "timed out after %s waiting for %s (%s)", ff.timeout, ref(name), phaseWords(op))
 			return finish(d, op, err)
 		case <-ctx.Done():
-			err := exitError(ExitInterrupted, "interrupted while following %s (%s)", ref(name), phaseWords(op))
+			err := stoppedFollowing(fmt.Sprintf("stopped following %s; the operation keeps running (%s)", ref(name), phaseWords(op)))
 			return finish(d, op, err)
 		}
 	}
+}
+
+// stoppedFollowing is the end of a watch the user interrupted: not an
+// error (nothing went wrong with the operation), but exit code 130, the
+// shell's for an interrupt.
+func stoppedFollowing(msg string) error {
+	return utilexec.CodeExitError{Err: errors.New(msg), Code: ExitInterrupted}
 }
 
 func phaseWords(op *ichorv1.TalosOperation) string {
@@ -269,6 +320,7 @@ type ttyDisplay struct {
 	ff       followFlags
 	out      io.Writer
 	screen   *view.Screen
+	around   *surroundings
 	op       *ichorv1.TalosOperation
 	dirty    bool
 	lastDraw time.Time
@@ -294,10 +346,10 @@ func (d *ttyDisplay) draw() error {
 	if err != nil {
 		width, height = 120, 40
 	}
-	frame := view.Render(d.op, view.Options{
-		Width: width, Height: height - 1, Color: d.e.UseColor(d.out), ASCII: d.ff.ascii,
-		Grouping: d.ff.grouping, Now: d.e.Now(), Command: d.e.Name,
-	})
+	o := d.around.read(d.op, time.Now())
+	o.Width, o.Height, o.Color, o.ASCII = width, height-1, d.e.UseColor(d.out), d.ff.ascii
+	o.Grouping, o.Now, o.Command = d.ff.grouping, d.e.Now(), d.e.Name
+	frame := view.Render(d.op, o)
 	d.dirty, d.lastDraw = false, time.Now()
 	return d.screen.Draw(frame, width)
 }

@@ -70,22 +70,32 @@ func readLock(ctx context.Context, c client.Reader, controllerNS string) (*LockI
 			info.HolderPhase = "deleted"
 		}
 	}
-	list := &ichorv1.TalosOperationList{}
-	if err := c.List(ctx, list); apierrors.IsForbidden(err) {
-		// Waiters live in every namespace; one who may read only some still
-		// gets to see the holder.
-		info.WaitingUnknown = "not allowed to list TalosOperations in all namespaces"
-		return info, nil
-	} else if err != nil {
+	waiting, unknown, err := lockWaiters(ctx, c)
+	if err != nil {
 		return nil, err
 	}
+	info.Waiting, info.WaitingUnknown = append(info.Waiting, waiting...), unknown
+	return info, nil
+}
+
+// lockWaiters are the operations waiting for the cluster lock, in every
+// namespace, in the order they get it; unknown says why they cannot be
+// listed (one who may read only some namespaces still gets the rest).
+func lockWaiters(ctx context.Context, c client.Reader) ([]Waiter, string, error) {
+	list := &ichorv1.TalosOperationList{}
+	if err := c.List(ctx, list); apierrors.IsForbidden(err) {
+		return nil, "not allowed to list TalosOperations in all namespaces", nil
+	} else if err != nil {
+		return nil, "", err
+	}
 	sortByCreation(list.Items)
+	var out []Waiter
 	for _, op := range list.Items {
 		if op.WaitingForLock() {
-			info.Waiting = append(info.Waiting, Waiter{Namespace: op.Namespace, Name: op.Name, Kind: string(op.Spec.Kind), Created: op.CreationTimestamp.Time})
+			out = append(out, Waiter{Namespace: op.Namespace, Name: op.Name, Kind: string(op.Spec.Kind), Created: op.CreationTimestamp.Time})
 		}
 	}
-	return info, nil
+	return out, "", nil
 }
 
 // print writes the lock the way describe does.

@@ -215,7 +215,7 @@ func (o *watchOptions) watchAll(ctx context.Context, c client.WithWatch) error {
 		case <-deadline:
 			return exitError(ExitTimeout, "timed out after %s watching TalosOperations in %s", o.ff.timeout, o.namespace)
 		case <-ctx.Done():
-			return exitError(ExitInterrupted, "interrupted")
+			return stoppedFollowing(fmt.Sprintf("stopped watching TalosOperations in %s; the operations keep running", o.namespace))
 		}
 	}
 }

@@ -29,6 +29,22 @@ type Options struct {
 	// Command is how the user runs the plugin ("kubectl ichor" or "ichor"),
 	// for the hints a frame gives.
 	Command string
+
+	// What the caller read besides the operation, when it could.
+
+	// Cordoned holds the machines whose Node is cordoned (the caller reads
+	// the Nodes of failed machines), so a frame can say that a failed
+	// machine was left out of service.
+	Cordoned map[string]bool
+	// Queue are the operations waiting for the cluster lock, in the order
+	// they get it, as namespace/name.
+	Queue []QueuedOperation
+}
+
+// QueuedOperation is an operation waiting for the cluster lock.
+type QueuedOperation struct {
+	Namespace, Name string
+	Kind            ichorv1.OperationKind
 }
 
 // Render draws one frame of the live view of an operation: a header (phase,
@@ -43,7 +59,7 @@ func Render(op *ichorv1.TalosOperation, o Options) []string {
 		if o.Height > 0 {
 			avail = max(o.Height-len(header)-1, 1)
 		}
-		cols := columnsFor(ms)
+		cols := columnsFor(ms, o.ASCII)
 		rows = append(rows, cols.header())
 		for _, r := range layout(ms, avail, o.Grouping) {
 			rows = append(rows, cols.row(ms, r, o))
@@ -76,6 +92,9 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		title.add(plain, "  stage "+Clean(op.Status.Stage))
 	}
 	title.add(faint, "  "+elapsed(op, o.Now))
+	if left, ok := TimeLeft(op, o.Now); ok {
+		title.add(faint, ", ~"+human(left)+" left")
+	}
 	lines := []line{title}
 
 	note := func(st style, label, text string) {
@@ -83,6 +102,15 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		l.add(st, label)
 		l.add(plain, text)
 		lines = append(lines, l)
+	}
+	// long notes wrap instead of being cut: what failed, and why, is read in full.
+	long := func(st style, label, text string) {
+		for i, part := range wrap(text, o.Width-len(label)) {
+			if i > 0 {
+				label = strings.Repeat(" ", len(label))
+			}
+			note(st, label, part)
+		}
 	}
 	name := Clean(op.Name)
 	switch {
@@ -100,16 +128,44 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		}
 		note(blue, "Lock:    ", "waiting for the cluster lock, held by "+holder)
 	}
-	if op.StepFailed() {
-		note(red, "Failed:  ", Clean(op.Status.FailureReason))
+	if q := queueText(op, o.Queue); q != "" {
+		long(faint, "Queue:   ", q)
 	}
-	if op.Status.Message != "" {
+	failed := failedMachines(op)
+	if op.StepFailed() {
+		reason := Clean(op.Status.FailureReason)
+		if len(failed) == 0 {
+			note(red, "Failed:  ", reason)
+		}
+		for n, i := range failed {
+			if n == maxCauses {
+				note(red, "         ", fmt.Sprintf("… and %d more failed machines (see: %s operation describe %s)", len(failed)-n, o.Command, name))
+				break
+			}
+			m := &op.Status.Machines[i]
+			what := Clean(m.Name) + " at step " + Clean(m.Step)
+			if m.Attempts > 1 {
+				what += fmt.Sprintf(" (attempt %d)", m.Attempts)
+			}
+			if n == 0 {
+				what = reason + ": " + what
+			}
+			if o.Cordoned[m.Name] {
+				what += "; " + Clean(m.Name) + " was left cordoned"
+			}
+			long(red, "Failed:  ", what)
+			if m.Message != "" {
+				long(plain, "Cause:   ", Shorten(Clean(m.Message)))
+			}
+		}
+	}
+	if op.Status.Message != "" && (!op.StepFailed() || len(failed) == 0) {
 		note(faint, "Message: ", Clean(op.Status.Message))
 	}
 	if op.Refused() {
 		for _, c := range op.Status.Conditions {
 			if c.Status == metav1.ConditionFalse && !builtinCondition(c.Type) {
-				note(red, "  "+iconBad.String(o.ASCII)+" ", Clean(c.Type+": "+c.Message))
+				long(red, "  "+iconBad.String(o.ASCII)+" ", Clean(c.Type+": "+c.Message))
 			}
 		}
 	}
@@ -128,6 +184,59 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		note(yellow, "Next:    ", "fix what preflight refused and create a new operation (an ichor-admin can set spec.override)")
 	}
 	return lines
+}
+
+// maxCauses bounds the failed machines whose cause the header spells out.
+const maxCauses = 3
+
+// failedMachines are the indices of the failed machines, in execution order.
+func failedMachines(op *ichorv1.TalosOperation) []int {
+	var out []int
+	for i := range op.Status.Machines {
+		if op.Status.Machines[i].Phase == ichorv1.MachineFailed {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// queueText says which operations wait for the cluster lock besides this
+// one, and where this one stands among them when it waits too.
+func queueText(op *ichorv1.TalosOperation, q []QueuedOperation) string {
+	var others []string
+	pos := 0
+	for _, w := range q {
+		if w.Namespace == op.Namespace && w.Name == op.Name {
+			pos = len(others) + 1
+			continue
+		}
+		others = append(others, fmt.Sprintf("%s/%s (%s)", Clean(w.Namespace), Clean(w.Name), Clean(string(w.Kind))))
+	}
+	if len(others) == 0 {
+		return ""
+	}
+	list := strings.Join(others[:min(len(others), 5)], ", ")
+	if len(others) > 5 {
+		list += fmt.Sprintf(" and %d more", len(others)-5)
+	}
+	if pos > 0 {
+		return fmt.Sprintf("this operation is %s of %d waiting for the cluster lock, with %s", ordinal(pos), len(others)+1, list)
+	}
+	return fmt.Sprintf("%d waiting for the cluster lock: %s", len(others), list)
+}
+
+func ordinal(n int) string {
+	suffix := "th"
+	switch {
+	case n%100 >= 11 && n%100 <= 13:
+	case n%10 == 1:
+		suffix = "st"
+	case n%10 == 2:
+		suffix = "nd"
+	case n%10 == 3:
+		suffix = "rd"
+	}
+	return fmt.Sprintf("%d%s", n, suffix)
 }
 
 func builtinCondition(t string) bool {
@@ -271,16 +380,23 @@ func seq(from, to int) []int {
 
 // columns are the widths of the machine table, measured over all machines so
 // they stay put from one frame to the next.
-type columns struct{ name, role, phase, step, time int }
+// The version column is left out (0) when no machine has versions.
+type columns struct {
+	name, role, version, phase, step, time int
+	ascii                                  bool
+}
 
-func columnsFor(ms []ichorv1.MachineStatus) columns {
-	c := columns{name: len("NAME"), role: len("ROLE"), phase: len("InProgress"), step: len("STEP"), time: len("TIME")}
+func columnsFor(ms []ichorv1.MachineStatus, ascii bool) columns {
+	c := columns{name: len("NAME"), role: len("ROLE"), phase: len("InProgress"), step: len("STEP"), time: len("TIME"), ascii: ascii}
 	c.name = max(c.name, len(fmt.Sprintf("%d machines", len(ms))))
 	for i := range ms {
 		m := &ms[i]
 		c.name = max(c.name, min(utf8.RuneCountInString(m.Name), 32))
 		c.step = max(c.step, min(utf8.RuneCountInString(m.Step), 24))
 		c.role = max(c.role, len(roleText(m.Role)))
+		if m.From != "" || m.To != "" {
+			c.version = max(c.version, len("VERSION"), min(utf8.RuneCountInString(versionText(m, ascii)), 40))
+		}
 		if m.Attempts > 1 {
 			c.phase = max(c.phase, len(phaseText(m)))
 		}
@@ -291,8 +407,33 @@ func columnsFor(ms []ichorv1.MachineStatus) columns {
 
 func (c columns) header() line {
 	var l line
-	l.add(faint, "  "+pad("NAME", c.name)+"  "+pad("ROLE", c.role)+"  "+pad("PHASE", c.phase)+"  "+pad("STEP", c.step)+"  "+pad("TIME", c.time)+"  MESSAGE")
+	l.add(faint, "  "+pad("NAME", c.name)+"  "+pad("ROLE", c.role)+"  "+c.versionCell("VERSION")+pad("PHASE", c.phase)+"  "+pad("STEP", c.step)+"  "+pad("TIME", c.time)+"  MESSAGE")
 	return l
+}
+
+// versionCell is one cell of the version column with its gap, or nothing
+// when the column is left out.
+func (c columns) versionCell(s string) string {
+	if c.version == 0 {
+		return ""
+	}
+	return pad(truncate(s, c.version), c.version) + "  "
+}
+
+// versionText is a machine's from -> to, or its version when it stays.
+func versionText(m *ichorv1.MachineStatus, ascii bool) string {
+	from, to := Clean(m.From), Clean(m.To)
+	arrow := " → "
+	if ascii {
+		arrow = " -> "
+	}
+	switch {
+	case from == to || to == "" || m.Phase == ichorv1.MachineSkipped:
+		return from // it stays where it is
+	case from == "":
+		return strings.TrimPrefix(arrow, " ") + to
+	}
+	return from + arrow + to
 }
 
 func phaseText(m *ichorv1.MachineStatus) string {
@@ -326,7 +467,7 @@ func (c columns) row(ms []ichorv1.MachineStatus, r row, o Options) line {
 			phase = string(ichorv1.MachinePending)
 		}
 		l.add(st, ic.String(o.ASCII)+" ")
-		l.add(plain, pad(fmt.Sprintf("%d machines", len(r.group)), c.name)+"  "+pad("", c.role)+"  ")
+		l.add(plain, pad(fmt.Sprintf("%d machines", len(r.group)), c.name)+"  "+pad("", c.role)+"  "+c.versionCell(groupVersion(ms, r.group, c.ascii)))
 		l.add(st, pad(phase, c.phase))
 		l.add(plain, "  "+pad("", c.step)+"  "+pad("", c.time)+"  ")
 		l.add(faint, names(ms, r.group, o.Width))
@@ -335,15 +476,27 @@ func (c columns) row(ms []ichorv1.MachineStatus, r row, o Options) line {
 	m := &ms[r.machine]
 	ic, st := machineState(m.Phase)
 	l.add(st, ic.String(o.ASCII)+" ")
-	l.add(plain, pad(truncate(Clean(m.Name), c.name), c.name)+"  "+pad(roleText(m.Role), c.role)+"  ")
+	l.add(plain, pad(truncate(Clean(m.Name), c.name), c.name)+"  "+pad(roleText(m.Role), c.role)+"  "+c.versionCell(versionText(m, c.ascii)))
 	l.add(st, pad(phaseText(m), c.phase))
 	l.add(plain, "  "+pad(truncate(Clean(m.Step), c.step), c.step)+"  "+pad(machineTime(m, o.Now), c.time)+"  ")
 	msgStyle := plain
 	if m.Phase == ichorv1.MachineFailed {
 		msgStyle = red
 	}
-	l.add(msgStyle, Clean(m.Message))
+	l.add(msgStyle, Shorten(Clean(m.Message)))
 	return l
+}
+
+// groupVersion is the version text the machines of a folded row share, or
+// nothing when they differ.
+func groupVersion(ms []ichorv1.MachineStatus, group []int, ascii bool) string {
+	first := &ms[group[0]]
+	for _, i := range group[1:] {
+		if ms[i].From != first.From || ms[i].To != first.To {
+			return ""
+		}
+	}
+	return versionText(first, ascii)
 }
 
 // machineTime is how long the machine has been worked on, or took.

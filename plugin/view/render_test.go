@@ -65,7 +65,8 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 
 	failed := running.DeepCopy()
 	failed.Status.Phase, failed.Status.Reason = ichorv1.PhasePaused, ichorv1.ReasonStepFailed
-	failed.Status.FailureReason = "upgrade of cp-2 failed: installer image pull"
+	failed.Status.FailureReason = "InstallFailed"
+	failed.Status.Machines[1].Step = "install"
 	failed.Status.Message = "paused: a step failed\nsee the machine's message"
 	failed.Status.RetryCount = 1
 	failed.Status.Machines[1].Phase = ichorv1.MachineFailed
@@ -73,7 +74,9 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 	failed.Status.Machines[1].FinishedAt = ago(30 * time.Second)
 	// A multi-line message with a terminal escape in it: it must stay on one
 	// line and must not reach the terminal as an escape.
-	failed.Status.Machines[1].Message = "pull factory.talos.dev/installer:v1.13.7:\n\x1b[31mi/o timeout\x1b[0m"
+	// The image reference is shortened; the error is shown in full.
+	failed.Status.Machines[1].Message = "pull factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.13.7: " +
+		"rpc error: code = Unknown desc = failed to pull image: failed to resolve reference: unexpected status from HEAD request:\n\x1b[31mi/o timeout\x1b[0m"
 	s["failed"] = failed
 
 	both := failed.DeepCopy()
@@ -115,6 +118,20 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 
 	s["many"] = fleet(60, 3, 1)
 	return s
+}
+
+// facts are what the watch reads besides the operation, per scenario: the
+// failed machine's Node cordoned, operations queued for the lock.
+func facts(scenario string, o Options) Options {
+	switch scenario {
+	case "failed", "paused-failed-retry-pending":
+		o.Cordoned = map[string]bool{"cp-2": true}
+	case "running":
+		o.Queue = []QueuedOperation{{"prod", "node-reboot-w3", ichorv1.KindNode}, {"staging", "upgrade-kubernetes-9z", ichorv1.KindKubernetes}}
+	case "lock-wait":
+		o.Queue = []QueuedOperation{{"prod", "upgrade-k8s-a1", ichorv1.KindKubernetes}, {"prod", "upgrade-talos-7fk2q", ichorv1.KindTalos}, {"prod", "node-reboot-w3", ichorv1.KindNode}}
+	}
+	return o
 }
 
 // fleet is an operation over n machines: a third done, active machines
@@ -179,7 +196,7 @@ func TestRenderGolden(t *testing.T) {
 					file += "-color"
 				}
 				t.Run(file, func(t *testing.T) {
-					frame := Render(op, Options{Width: width, Color: color, Grouping: true, Now: now, Command: "kubectl ichor"})
+					frame := Render(op, facts(name, Options{Width: width, Color: color, Grouping: true, Now: now, Command: "kubectl ichor"}))
 					for i, l := range frame {
 						if !color && strings.Contains(l, "\x1b") {
 							t.Errorf("line %d holds an escape character without colour: %q", i, l)

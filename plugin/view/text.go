@@ -5,6 +5,7 @@
 package view
 
 import (
+	"regexp"
 	"strings"
 	"unicode"
 	"unicode/utf8"
@@ -108,4 +109,43 @@ func Clean(s string) string {
 		}
 		return r
 	}, s)
+}
+
+// longHex is a run of hex digits as long as an Image Factory schematic ID or
+// a digest.
+var longHex = regexp.MustCompile(`[0-9a-f]{32,}`)
+
+// Shorten shortens what makes a message long without telling more: the
+// schematic IDs and digests in image references keep their first 8 digits
+// ("factory.talos.dev/installer/376567988ad37013…:v1.13.7"). The rest of the
+// message, the error, stays as it is.
+func Shorten(s string) string {
+	return longHex.ReplaceAllStringFunc(s, func(h string) string { return h[:8] + "…" })
+}
+
+// wrap breaks text into lines of at most width runes at spaces, cutting a
+// word longer than a line; width 0 or less leaves it one line.
+func wrap(text string, width int) []string {
+	if width <= 0 || utf8.RuneCountInString(text) <= width {
+		return []string{text}
+	}
+	var lines []string
+	var cur []rune
+	for _, word := range strings.Fields(text) {
+		w := []rune(word)
+		if len(cur) > 0 && len(cur)+1+len(w) > width {
+			lines, cur = append(lines, string(cur)), nil
+		}
+		if len(cur) > 0 {
+			cur = append(cur, ' ')
+		}
+		cur = append(cur, w...)
+		for len(cur) > width {
+			lines, cur = append(lines, string(cur[:width])), cur[width:]
+		}
+	}
+	if len(cur) > 0 {
+		lines = append(lines, string(cur))
+	}
+	return lines
 }
