@@ -248,6 +248,7 @@ func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles rol
 		}
 		return nil, err
 	}
+	f.rec.handle(m.Name(), fullMethod)
 	resp, err := fn(callCtx)
 	if (err != nil || stream) && wentDown() {
 		return nil, unavailable(m.addr)

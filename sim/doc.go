@@ -18,6 +18,12 @@
 // sets seconds. Spec.Unbootstrapped starts etcd empty, waiting for
 // Bootstrap. Spec.Logf receives a line per notable event.
 //
+// A machine marked Joins is outside the cluster until Fleet.Join: off, no
+// Node, no etcd member, not an endpoint. Join boots it: a control plane
+// joins etcd as a new member once etcd has a leader, the kubelet registers
+// the Node NotReady, and it turns Ready Durations.NodeReady later, as a
+// machine added to a Talos cluster does.
+//
 // # Addresses and endpoints
 //
 // A fleet takes a block 127.F.0.0/16 of its own (F differs between the
@@ -175,11 +181,14 @@
 //
 // Fleet.Recorder keeps, safe for concurrent use: the calls routed to each
 // machine per method (Calls, CallCounts: every routed call, whatever its
-// outcome); the largest number of control planes and of workers out of
-// service at once (MaxDown: from the start of a reboot, legacy upgrade,
-// shutdown or reset until the machine answers again); the time range of
-// each disruptive action per machine (Actions: reboot, upgrade, install,
-// shutdown, reset); how many installs took effect at a boot
-// (UpgradesApplied); and Overlaps, the pairs of actions on different
-// machines whose time ranges intersect.
+// outcome); the calls that reached a machine's handler, past the role
+// check and the faults, with their times (Handled); the largest number of
+// control planes and of workers out of service at once (MaxDown: from the
+// start of a reboot, legacy upgrade, shutdown or reset until the machine
+// answers again); the time range of each disruptive action per machine
+// (Actions: reboot, upgrade, install, shutdown, reset; Down says when the
+// machine stopped answering during it); the installs that
+// took effect at a boot (UpgradesApplied, and Upgrades with the version
+// and time); and Overlaps, the pairs of actions on different machines
+// whose time ranges intersect.
 package sim

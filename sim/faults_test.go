@@ -149,6 +149,10 @@ func TestFaultRollback(t *testing.T) {
 			t.Fatalf("upgrade %d: %d applied", i, got)
 		}
 	}
+	// Only the boot that took effect is an upgrade, on the version it booted.
+	if ups := f.Recorder().Upgrades(""); len(ups) != 1 || ups[0].Machine != w.Name() || ups[0].Version != "v1.13.0" {
+		t.Fatalf("upgrades %+v", ups)
+	}
 }
 
 // TestFaultAnnotation: faults set on the Node from outside take effect and

@@ -107,11 +107,22 @@ func (f *Fleet) start(ctx context.Context, kc kubernetes.Interface) error {
 		}
 		m.ep = ep
 	}
+	var members []*Machine
 	for _, m := range f.machines {
+		if m.pending {
+			// Not provisioned yet: its port stays reserved but refuses.
+			if m.ep != nil {
+				m.ep.close()
+			}
+			continue
+		}
 		m.boot("")
+		if m.spec.Role == ControlPlane {
+			members = append(members, m)
+		}
 	}
 	if !f.spec.Unbootstrapped {
-		f.etcd.bootstrapAll(f.controlPlanes)
+		f.etcd.bootstrapAll(members)
 	}
 	if kc == nil {
 		return nil
@@ -163,14 +174,44 @@ func (f *Fleet) Machines() []*Machine { return append([]*Machine(nil), f.machine
 // ControlPlanes are the control-plane machines in spec order.
 func (f *Fleet) ControlPlanes() []*Machine { return append([]*Machine(nil), f.controlPlanes...) }
 
-// Endpoints are the control planes' Talos API listeners ("127.F.0.1:port"),
-// the talosconfig's endpoints.
+// Endpoints are the Talos API listeners ("127.F.0.1:port") of the control
+// planes that are part of the cluster (not waiting to join), the
+// talosconfig's endpoints.
 func (f *Fleet) Endpoints() []string {
 	eps := make([]string, 0, len(f.controlPlanes))
 	for _, m := range f.controlPlanes {
-		eps = append(eps, m.ep.address())
+		if !m.Pending() {
+			eps = append(eps, m.ep.address())
+		}
 	}
 	return eps
+}
+
+// Join boots a machine that the spec marked Joins into the cluster, as
+// adding a machine to a Talos cluster does: it boots with its
+// configuration, a control plane joins etcd as a new member (once etcd has
+// a leader), its kubelet registers the Node NotReady, and the Node turns
+// Ready Durations.NodeReady later.
+func (f *Fleet) Join(ctx context.Context, name string) error {
+	m := f.byName[name]
+	if m == nil {
+		return fmt.Errorf("no machine %q in the fleet", name)
+	}
+	m.mu.Lock()
+	pending := m.pending
+	m.pending = false
+	m.mu.Unlock()
+	if !pending {
+		return fmt.Errorf("machine %s is already part of the cluster: only a machine the spec marks Joins can join", name)
+	}
+	if f.kube != nil {
+		if err := f.kube.register(ctx, m, false); err != nil {
+			return fmt.Errorf("register Node %s: %w", name, err)
+		}
+	}
+	m.boot("")
+	f.logf("%s: joined the cluster", name)
+	return nil
 }
 
 // Talosconfig is an os:admin talosconfig for the fleet: its context is the

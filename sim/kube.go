@@ -100,14 +100,16 @@ func (k *kube) registerAll(ctx context.Context) error {
 	for range 16 {
 		wg.Go(func() {
 			for m := range work {
-				if err := k.register(ctx, m); err != nil {
+				if err := k.register(ctx, m, true); err != nil {
 					errs <- fmt.Errorf("register Node %s: %w", m.Name(), err)
 				}
 			}
 		})
 	}
 	for _, m := range k.f.machines {
-		work <- m
+		if !m.Pending() {
+			work <- m
+		}
 	}
 	close(work)
 	wg.Wait()
@@ -115,7 +117,9 @@ func (k *kube) registerAll(ctx context.Context) error {
 	return <-errs
 }
 
-func (k *kube) register(ctx context.Context, m *Machine) error {
+// register creates the machine's Node as its kubelet registers it: Ready,
+// or (a joining machine) NotReady until its network is up.
+func (k *kube) register(ctx context.Context, m *Machine, ready bool) error {
 	labels := map[string]string{
 		corev1.LabelHostname:   m.Name(),
 		corev1.LabelOSStable:   "linux",
@@ -129,12 +133,17 @@ func (k *kube) register(ctx context.Context, m *Machine) error {
 		Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady", Message: "kubelet is posting ready status",
 		LastHeartbeatTime: now, LastTransitionTime: now,
 	}}
+	if !ready {
+		c := &node.Status.Conditions[0]
+		c.Status, c.Reason = corev1.ConditionFalse, "KubeletNotReady"
+		c.Message = "container runtime network not ready: NetworkReady=false reason:NetworkPluginNotReady message:Network plugin returns error: cni plugin not initialized"
+	}
 	kv := nodeKVOf(m.Config(), m.spec.Role)
 	if err := kv.applyTo(node); err != nil {
 		return err
 	}
 	k.mu.Lock()
-	k.ready[m.Name()] = true
+	k.ready[m.Name()] = ready
 	k.mu.Unlock()
 	_, err := k.cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
 	if err == nil {
@@ -151,7 +160,7 @@ func (k *kube) register(ctx context.Context, m *Machine) error {
 		return err
 	}
 	k.syncNodeConfig(m)
-	return k.writeStatus(ctx, m, true, true)
+	return k.writeStatus(ctx, m, ready, true)
 }
 
 // runningStatus is what the kubelet of a running machine reports, but the

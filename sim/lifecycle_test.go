@@ -180,7 +180,8 @@ func TestShutdownPowerOn(t *testing.T) {
 		t.Fatal("Talos uncordons the Node it cordoned")
 	}
 	acts := f.Recorder().Actions(w.Name())
-	if len(acts) != 1 || acts[0].Kind != sim.ActionShutdown || acts[0].End.IsZero() {
+	if len(acts) != 1 || acts[0].Kind != sim.ActionShutdown || acts[0].End.IsZero() || acts[0].Down.IsZero() ||
+		acts[0].Down.Before(acts[0].Start) || acts[0].End.Before(acts[0].Down) {
 		t.Fatalf("actions %+v", acts)
 	}
 }

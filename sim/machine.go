@@ -66,6 +66,10 @@ type Machine struct {
 	faultsChanged chan struct{}
 
 	openActions []int
+
+	// pending: the spec's Joins, until Fleet.Join. joining: booted by Join,
+	// its Node not Ready yet.
+	pending, joining bool
 }
 
 type sequence struct {
@@ -89,6 +93,8 @@ func newMachine(f *Fleet, spec MachineSpec, addr string) *Machine {
 		events:        newEventLog(),
 		etcdDBSize:    24 << 20,
 		etcdDBInUse:   16 << 20,
+		pending:       spec.Joins,
+		joining:       spec.Joins,
 	}
 	m.cosi, m.cosiAPI = newCOSI()
 	return m
@@ -189,6 +195,14 @@ func (m *Machine) Stage() runtime.MachineStage {
 	return m.stage
 }
 
+// Pending reports whether the machine waits to join the cluster (the spec's
+// Joins, before Fleet.Join).
+func (m *Machine) Pending() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.pending
+}
+
 // PowerOn boots a machine that is powered off, as pressing its power button.
 func (m *Machine) PowerOn() error {
 	m.mu.Lock()
@@ -277,7 +291,9 @@ func (m *Machine) goDown(actor string) {
 	m.up = false
 	m.kubeletRunning = false
 	cancel := m.bootCancel
+	open := append([]int(nil), m.openActions...)
 	m.mu.Unlock()
+	m.f.rec.wentDown(open)
 	if cancel != nil {
 		cancel()
 	}
@@ -357,13 +373,15 @@ func (m *Machine) boot(actor string) {
 	m.etcdRunning = m.etcdData && isMember
 	m.etcdStopped = false
 	m.seq = nil // the sequence that rebooted the machine ended with the old boot
+	joining := m.joining
+	m.joining = false
 	open := m.openActions
 	m.openActions = nil
 	events, version := m.events, m.version
 	m.mu.Unlock()
 
 	if applied {
-		m.f.rec.upgradeApplied(m.Name())
+		m.f.rec.upgradeApplied(m.Name(), version)
 	}
 	events.emit(actor, machineStatusEvent(runtime.MachineStageBooting, false))
 	m.publish()
@@ -374,7 +392,11 @@ func (m *Machine) boot(actor string) {
 			m.f.logf("%s: %v", m.Name(), err)
 		}
 	}
-	m.f.kube.nodeUp(m)
+	if joining {
+		m.nodeReadyLater()
+	} else {
+		m.f.kube.nodeUp(m)
+	}
 	m.f.kube.syncNodeConfig(m)
 	// Back in one step: from here on it answers, and the recorder counts it
 	// as up, so a controller that sees it answer never sees it "down".
@@ -390,6 +412,21 @@ func (m *Machine) boot(actor string) {
 	if actor != "" || applied {
 		m.f.logf("%s: up on %s", m.Name(), version)
 	}
+}
+
+// nodeReadyLater turns a joining machine's Node Ready once its network is
+// up, Durations.NodeReady after it registered.
+func (m *Machine) nodeReadyLater() {
+	m.mu.Lock()
+	ctx := m.bootCtx
+	m.mu.Unlock()
+	m.f.wg.Add(1)
+	go func() {
+		defer m.f.wg.Done()
+		if sleep(ctx, m.f.spec.Durations.NodeReady) == nil {
+			m.f.kube.nodeUp(m)
+		}
+	}()
 }
 
 func machineStatusEvent(stage runtime.MachineStage, ready bool) *machine.MachineStatusEvent {

@@ -33,6 +33,11 @@ type Action struct {
 	Kind    ActionKind
 	Start   time.Time
 	End     time.Time
+	// Down is when the machine stopped answering during the action. A
+	// shutdown's or a reset's work is done there: what follows (off, or
+	// coming back) is the machine's new state, not the action in flight,
+	// though it stays out of service until End.
+	Down time.Time
 }
 
 func (a Action) end() time.Time {
@@ -45,13 +50,34 @@ func (a Action) end() time.Time {
 // Overlap is a pair of actions on two machines whose time ranges intersect.
 type Overlap struct{ A, B Action }
 
+// Call is one call that reached a machine's handler: routed to a machine
+// that was up, past the role check and the error and hang faults. A call
+// that reached the handler is one the machine acted on (or refused on its
+// own terms), as opposed to one that never got there.
+type Call struct {
+	Machine string
+	// Method is "Service/Method", e.g. "MachineService/Reboot".
+	Method string
+	At     time.Time
+}
+
+// Upgrade is an install that took effect at a boot: the machine came up on
+// Version.
+type Upgrade struct {
+	Machine string
+	Version string
+	At      time.Time
+}
+
 // Recorder keeps what happened in a fleet for tests to assert invariants
 // on. It is safe for concurrent use.
 type Recorder struct {
 	mu      sync.Mutex
 	calls   map[string]map[string]int // machine -> "Service/Method" -> n
+	handled []Call
 	actions []Action
 	applied map[string]int
+	boots   []Upgrade
 	down    map[string]Role
 	maxDown map[Role]int
 }
@@ -114,11 +140,46 @@ func (r *Recorder) CallCounts() map[string]map[string]int {
 	return out
 }
 
+// handle records a call that reached machine's handler.
+func (r *Recorder) handle(machine, fullMethod string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.handled = append(r.handled, Call{Machine: machine, Method: shortMethod(fullMethod), At: time.Now()})
+}
+
+// Handled returns the calls of method (matched as Calls matches it) that
+// reached machine's handler (every machine's when machine is empty), in the
+// order they arrived, with their times: what a test compares with the
+// steps that should have sent them.
+func (r *Recorder) Handled(machine, method string) []Call {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []Call
+	for _, c := range r.handled {
+		if (machine == "" || c.Machine == machine) && methodMatches(method, "/"+c.Method) {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 func (r *Recorder) start(machine string, kind ActionKind) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.actions = append(r.actions, Action{Machine: machine, Kind: kind, Start: time.Now()})
 	return len(r.actions) - 1
+}
+
+// wentDown marks the open actions of a machine that stopped answering.
+func (r *Recorder) wentDown(open []int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	for _, i := range open {
+		if i >= 0 && i < len(r.actions) && r.actions[i].Down.IsZero() {
+			r.actions[i].Down = now
+		}
+	}
 }
 
 func (r *Recorder) finish(i int) {
@@ -178,10 +239,25 @@ func (r *Recorder) Overlaps(kinds ...ActionKind) []Overlap {
 }
 
 // upgradeApplied counts an install that took effect at a boot.
-func (r *Recorder) upgradeApplied(machine string) {
+func (r *Recorder) upgradeApplied(machine, version string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.applied[machine]++
+	r.boots = append(r.boots, Upgrade{Machine: machine, Version: version, At: time.Now()})
+}
+
+// Upgrades returns the installs that took effect on machine (every
+// machine's when empty), in order, with the version each booted.
+func (r *Recorder) Upgrades(machine string) []Upgrade {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []Upgrade
+	for _, u := range r.boots {
+		if machine == "" || u.Machine == machine {
+			out = append(out, u)
+		}
+	}
+	return out
 }
 
 // UpgradesApplied is how many installs took effect on machine (the boot
@@ -229,8 +305,10 @@ func (r *Recorder) Reset() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls = map[string]map[string]int{}
+	r.handled = nil
 	r.actions = nil
 	r.applied = map[string]int{}
+	r.boots = nil
 	r.maxDown = map[Role]int{}
 	for _, role := range r.down {
 		r.maxDown[role]++

@@ -33,6 +33,19 @@ func TestRecorder(t *testing.T) {
 		t.Fatalf("CallCounts[%s] = %v", w1.Name(), rec.CallCounts()[w1.Name()])
 	}
 
+	// A call that a fault fails is routed (Calls) but never handled.
+	clearErr := w1.Inject(sim.Fault{Kind: sim.FaultError, Method: "Version", Once: true})
+	if _, err := version(t, c, w1); err == nil {
+		t.Fatal("the error fault did not fire")
+	}
+	clearErr()
+	if h := rec.Handled(w1.Name(), "Version"); len(h) != 3 || h[0].Method != "MachineService/Version" || h[0].At.IsZero() || rec.Calls(w1.Name(), "Version") != 4 {
+		t.Fatalf("handled %+v of %d calls; want the 3 that got through", h, rec.Calls(w1.Name(), "Version"))
+	}
+	if h := rec.Handled("", "Version"); len(h) != 4 {
+		t.Fatalf("handled on every machine %+v", h)
+	}
+
 	// Two workers down at once: seen, and their reboots overlap.
 	clear1 := w1.Inject(sim.Fault{Kind: sim.FaultNoReturn})
 	clear2 := w2.Inject(sim.Fault{Kind: sim.FaultNoReturn})
@@ -59,7 +72,7 @@ func TestRecorder(t *testing.T) {
 
 	// One at a time: no overlap, one down at most.
 	rec.Reset()
-	if rec.Calls("", "*") != 0 || len(rec.Actions("")) != 0 {
+	if rec.Calls("", "*") != 0 || len(rec.Actions("")) != 0 || len(rec.Handled("", "*")) != 0 {
 		t.Fatal("Reset kept records")
 	}
 	for _, m := range []*sim.Machine{cp, w1, w2} {

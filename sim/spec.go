@@ -68,6 +68,11 @@ type MachineSpec struct {
 	// ExtensionServices are extension services (e.g. "ext-iscsid") that
 	// ServiceRestart accepts, as Talos accepts kubelet and extensions.
 	ExtensionServices []string
+	// Joins marks a machine that is not part of the cluster when the fleet
+	// starts: powered off, with no Node, no etcd membership and no place
+	// among the talosconfig's endpoints, until Fleet.Join boots it into the
+	// cluster, as a machine being added is.
+	Joins bool
 }
 
 // Durations are the simulated steps' lengths. They default to milliseconds
@@ -94,6 +99,9 @@ type Durations struct {
 	// DrainTimeout bounds the drain Talos itself does in the legacy upgrade,
 	// shutdown and graceful reset sequences (Talos: 10 minutes).
 	DrainTimeout time.Duration
+	// NodeReady is how long the Node of a joining machine stays NotReady
+	// after its kubelet registers it (the CNI starting on it).
+	NodeReady time.Duration
 }
 
 // DefaultDurations are the test defaults.
@@ -106,6 +114,7 @@ func DefaultDurations() Durations {
 		KubeletRestart: 5 * time.Millisecond,
 		PodGrace:       10 * time.Millisecond,
 		DrainTimeout:   10 * time.Second,
+		NodeReady:      20 * time.Millisecond,
 	}
 }
 
@@ -114,7 +123,7 @@ func (d Durations) withDefaults() Durations {
 	for _, f := range []struct{ v, def *time.Duration }{
 		{&d.Stop, &def.Stop}, {&d.Reboot, &def.Reboot}, {&d.Install, &def.Install},
 		{&d.ImagePull, &def.ImagePull}, {&d.KubeletRestart, &def.KubeletRestart},
-		{&d.PodGrace, &def.PodGrace}, {&d.DrainTimeout, &def.DrainTimeout},
+		{&d.PodGrace, &def.PodGrace}, {&d.DrainTimeout, &def.DrainTimeout}, {&d.NodeReady, &def.NodeReady},
 	} {
 		if *f.v <= 0 {
 			*f.v = *f.def
@@ -158,7 +167,7 @@ func (s Spec) validate() (Spec, error) {
 	s.Machines = append([]MachineSpec(nil), s.Machines...)
 	var errs []error
 	seen := map[string]bool{}
-	controlPlanes := 0
+	controlPlanes, joining := 0, 0
 	for i := range s.Machines {
 		m := &s.Machines[i]
 		if m.Name == "" {
@@ -170,6 +179,9 @@ func (s Spec) validate() (Spec, error) {
 		switch m.Role {
 		case ControlPlane:
 			controlPlanes++
+			if m.Joins {
+				joining++
+			}
 		case Worker:
 		default:
 			errs = append(errs, fmt.Errorf("machine %q: role %q is neither %q nor %q", m.Name, m.Role, ControlPlane, Worker))
@@ -199,8 +211,8 @@ func (s Spec) validate() (Spec, error) {
 			}
 		}
 	}
-	if controlPlanes == 0 {
-		errs = append(errs, errors.New("a fleet needs at least one control plane: the control planes serve the Talos API endpoints"))
+	if controlPlanes == joining {
+		errs = append(errs, errors.New("a fleet needs at least one control plane that does not join later: the control planes serve the Talos API endpoints"))
 	}
 	if len(s.Machines) > maxMachines {
 		errs = append(errs, fmt.Errorf("%d machines is more than the %d a fleet's address block holds", len(s.Machines), maxMachines))
