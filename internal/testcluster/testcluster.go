@@ -92,8 +92,11 @@ func WriteTalosconfig(t testing.TB, env *testenv.Env, fleet *sim.Fleet, ctrlNS s
 
 // Controller is an ichor-controller running in-process.
 type Controller struct {
-	cancel context.CancelFunc
-	done   chan error
+	cancel  context.CancelFunc
+	err     error
+	exited  chan struct{}
+	elected <-chan struct{}
+	sw      *Switch
 }
 
 // StartController runs the controller with o (its namespace, executors...)
@@ -113,8 +116,11 @@ func StartController(t testing.TB, cfg *rest.Config, o app.Options) *Controller 
 		t.Fatalf("new controller: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	ctl := &Controller{cancel: cancel, done: make(chan error, 1)}
-	go func() { ctl.done <- mgr.Start(ctx) }()
+	ctl := &Controller{cancel: cancel, exited: make(chan struct{}), elected: mgr.Elected()}
+	go func() {
+		ctl.err = mgr.Start(ctx)
+		close(ctl.exited)
+	}()
 	t.Cleanup(ctl.Stop)
 	return ctl
 }
@@ -122,8 +128,25 @@ func StartController(t testing.TB, cfg *rest.Config, o app.Options) *Controller 
 // Stop stops the controller and waits until it has.
 func (c *Controller) Stop() {
 	c.cancel()
-	<-c.done
-	c.done <- nil // later stops return at once
+	<-c.exited
+}
+
+// Elected is closed once the controller leads (at once without leader
+// election).
+func (c *Controller) Elected() <-chan struct{} { return c.elected }
+
+// Exited is closed once the controller has stopped: by Stop, by Kill, or
+// by itself (a lost leader election ends it, as it ends the binary).
+func (c *Controller) Exited() <-chan struct{} { return c.exited }
+
+// Err is why the controller stopped by itself; nil while it runs.
+func (c *Controller) Err() error {
+	select {
+	case <-c.exited:
+		return c.err
+	default:
+		return nil
+	}
 }
 
 // LogSink is the test's log, or the file $ICHOR_TEST_LOG (benchmarks
