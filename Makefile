@@ -21,7 +21,19 @@ SANDBOX_FLAGS ?=
 # Archived files carry the commit's time, so one commit packs the same bytes.
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 
-.PHONY: all build generate test bench lint envtest-assets clean sandbox demo image dist release
+# The chaos campaign (make chaos): its seed (0 takes one from the clock; run i
+# of a campaign runs with SEED+i, so SEED=<a run's seed> RUNS=1 reruns that
+# run), how many runs (MIN_KILLS goes on until that many kills), and per run
+# the kills at random moments, faults, operator actions and the schedule's span.
+SEED ?= 0
+RUNS ?= 10
+MIN_KILLS ?= 0
+KILLS ?= 3
+FAULTS ?= 6
+ACTIONS ?= 6
+SPAN ?= 12s
+
+.PHONY: all build generate test bench chaos lint envtest-assets clean sandbox demo image dist release
 
 all: build
 
@@ -50,6 +62,12 @@ test: $(CONTROLLER_GEN) ## Run every test against a real API server and simulate
 bench: ## Run the benchmarks and print their ratios against the budgets.
 	@assets=$$(hack/envtest-assets.sh); \
 	KUBEBUILDER_ASSETS=$$assets go test -run '^$$' -bench . -benchtime 1x -timeout 60m $(PKGS)
+
+chaos: ## Run the seeded fault campaign (kills, Talos faults, operator actions) and print its report; 0 violations or it fails.
+	@assets=$$(hack/envtest-assets.sh); \
+	KUBEBUILDER_ASSETS=$$assets go test -count=1 -timeout 4h -v -run '^TestCampaign$$' ./internal/chaos -args \
+	  -chaos.campaign -chaos.seed=$(SEED) -chaos.runs=$(RUNS) -chaos.min-kills=$(MIN_KILLS) \
+	  -chaos.kills=$(KILLS) -chaos.faults=$(FAULTS) -chaos.actions=$(ACTIONS) -chaos.span=$(SPAN)
 
 lint: ## go vet and a gofmt check.
 	go vet ./...

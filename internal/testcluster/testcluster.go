@@ -31,7 +31,7 @@ import (
 )
 
 // StartFleet starts a fleet whose Nodes live in env, named after opsNS when
-// spec has no name. When the test ends it deletes the operations in opsNS,
+// spec has no name, logging to the test unless spec has a Logf. When the test ends it deletes the operations in opsNS,
 // stops the fleet and waits until its Nodes are gone.
 func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *sim.Fleet {
 	t.Helper()
@@ -39,7 +39,9 @@ func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *si
 		spec.Name = "f" + strings.TrimPrefix(opsNS, "t")
 		spec.Name = spec.Name[:min(len(spec.Name), 12)]
 	}
-	spec.Logf = t.Logf
+	if spec.Logf == nil {
+		spec.Logf = t.Logf
+	}
 	fleet, err := sim.Start(context.Background(), spec, env.Kube)
 	if err != nil {
 		t.Fatalf("start fleet: %v", err)
