@@ -324,13 +324,19 @@ func checkSucceeded(h *History) []Violation {
 		if !seen || h.End.Deleted[name] || o.Phase == string(ichorv1.PhaseSucceeded) {
 			continue
 		}
-		var ms []string
-		for _, m := range o.Machines {
-			if m.Phase != string(ichorv1.MachineSucceeded) && m.Phase != string(ichorv1.MachineSkipped) {
-				ms = append(ms, fmt.Sprintf("%s %s at %s (attempt %d): %s", m.Name, m.Phase, m.Step, m.Attempts, m.Message))
+		what := fmt.Sprintf("%s ended %s", name, orDash(o.Phase))
+		for _, s := range []string{o.Reason, o.FailureReason} {
+			if s != "" {
+				what += " " + s
 			}
 		}
-		out = append(out, Violation{At: h.Now, What: fmt.Sprintf("%s ended %s %s (%s: %s); %s", name, o.Phase, o.Reason, o.FailureReason, o.Message, strings.Join(ms, "; "))})
+		what += ": " + o.Message
+		for _, m := range o.Machines {
+			if m.Phase == string(ichorv1.MachineInProgress) || m.Phase == string(ichorv1.MachineFailed) {
+				what += fmt.Sprintf("; %s %s at %s (attempt %d): %s", m.Name, m.Phase, m.Step, m.Attempts, m.Message)
+			}
+		}
+		out = append(out, Violation{At: h.Now, What: what})
 	}
 	return out
 }
