@@ -119,3 +119,17 @@ func ParseLockHolder(identity string) (LockHolder, error) {
 	}
 	return LockHolder{}, fmt.Errorf("lock holder %q: not an operation (%s), machine (%s) or job (job/) identity", identity, opIdentityPrefix, machineIdentity)
 }
+
+// Summary says what a config rollout does, like "config (2 patches, auto)":
+// status.target, and the plugin's view before the controller has set it.
+func (c *ConfigRollout) Summary() string {
+	mode := c.Mode
+	if mode == "" {
+		mode = ConfigModeReboot
+	}
+	patches := "1 patch"
+	if len(c.Patches) != 1 {
+		patches = fmt.Sprintf("%d patches", len(c.Patches))
+	}
+	return fmt.Sprintf("config (%s, %s)", patches, mode)
+}

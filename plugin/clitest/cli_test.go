@@ -123,7 +123,7 @@ func TestCreateEachKind(t *testing.T) {
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindIchor, MaxUnavailable: 1, Ichor: &ichorv1.IchorUpgrade{Version: "v0.2.0"}}},
 		{"cni", []string{"upgrade", "cni", "--chart-version", "1.18.4", "--kube-proxy-replacement=false"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, MaxUnavailable: 1, CNI: &ichorv1.CNIChange{ChartVersion: "1.18.4", KubeProxyReplacement: ptr.To(false)}}},
-		{"config", []string{"config", "apply", "--patch", patch, "--mode", "auto"},
+		{"config", []string{"config", "apply", "-f", patch, "--mode", "auto"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindConfig, MaxUnavailable: 1, Config: &ichorv1.ConfigRollout{Mode: ichorv1.ConfigModeAuto, Patches: []string{"machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n"}}}},
 		{"node-reboot", []string{"node", "reboot", "worker-1"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, MaxUnavailable: 1, Node: &ichorv1.NodeAction{Machine: "worker-1", Action: ichorv1.NodeReboot}}},
@@ -183,6 +183,9 @@ func TestCreateRefusesBadInput(t *testing.T) {
 		{[]string{"node", "restart-service", "worker-1"}, "error: --service is required: name the service to restart, like kubelet\nSee 'kubectl ichor node restart-service -h' for help and examples\n"},
 		{[]string{"restore", "etcd", "--snapshot", "http://example/x", "-y"}, `re:^The TalosOperation "restore-etcd-\w+" is invalid: spec.etcdRestore.snapshot: Invalid value: "http://example/x": must be a file:// or s3:// URL\n$`},
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "--watch", "--dry-run=server"}, "error: --watch and --wait follow a real operation: they cannot be used with --dry-run\nSee 'kubectl ichor upgrade talos -h' for help and examples\n"},
+		{[]string{"config", "apply"}, "error: -f is required: give a machine-config patch file (YAML strategic merge or RFC 6902 JSON patch), or - for standard input\nSee 'kubectl ichor config apply -h' for help and examples\n"},
+		{[]string{"config", "apply", "-f", "/nonexistent/patch.yaml"}, "error: read patch /nonexistent/patch.yaml: open /nonexistent/patch.yaml: no such file or directory\n"},
+		{[]string{"config", "apply", "-f", "-", "--mode", "no-reboot"}, "error: invalid --mode \"no-reboot\": use auto (reboot only where needed) or reboot\nSee 'kubectl ichor config apply -h' for help and examples\n"},
 	}
 	for _, tt := range tests {
 		r := kubectl(t, "", append([]string{"ichor", "-n", ns}, tt.args...)...)

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"os"
 	"regexp"
 	"strings"
 
@@ -427,67 +426,6 @@ func newNodeActionCmd(e *Env, action ichorv1.NodeActionType, short string) *cobr
 			c.Flags().BoolVar(&reboot, "reboot", false, "Reboot after the reset instead of shutting down")
 		}
 	})
-}
-
-// config apply --patch FILE...
-
-func newConfigCmd(e *Env) *cobra.Command {
-	cmd := &cobra.Command{
-		Use:   "config",
-		Short: "Roll out machine-configuration changes that need a reboot",
-	}
-	var files []string
-	var mode string
-	o := &createOptions{generateName: "config-apply-", kind: ichorv1.KindConfig}
-	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
-		var patches []string
-		for _, f := range files {
-			data, err := readPatch(f, e)
-			if err != nil {
-				return err
-			}
-			patches = append(patches, data)
-		}
-		if len(patches) == 0 {
-			return usageErrorf("--patch is required: give a Talos machine-config patch file (YAML or JSON patch)")
-		}
-		s.Config = &ichorv1.ConfigRollout{Patches: patches, Mode: ichorv1.ConfigMode(mode)}
-		return nil
-	}
-	apply := &cobra.Command{
-		Use:   "apply --patch FILE...",
-		Short: "Apply machine-config patches, a machine at a time, rebooting as needed",
-		Example: fmt.Sprintf(`  # Apply two patches in order, rebooting each machine
-  %[1]s config apply --patch sysctls.yaml --patch kubelet.yaml
-
-  # Read the patch from stdin; reboot only where the change cannot apply live
-  cat patch.yaml | %[1]s config apply --patch - --mode auto`, e.Name),
-		Args: cobra.NoArgs,
-	}
-	cmd.AddCommand(newCreateCmd(e, o, apply, func(c *cobra.Command) {
-		c.Flags().StringArrayVar(&files, "patch", nil, "Machine-config patch file (YAML strategic merge or RFC 6902 JSON patch), - for stdin; repeat for more, applied in order")
-		c.Flags().StringVar(&mode, "mode", "", "reboot (always reboot, the default) or auto (only where the change cannot apply live)")
-	}))
-	return cmd
-}
-
-func readPatch(path string, e *Env) (string, error) {
-	var data []byte
-	var err error
-	if path == "-" {
-		var b strings.Builder
-		_, err = bufio.NewReader(e.Streams.In).WriteTo(&b)
-		data = []byte(b.String())
-	} else {
-		data, err = os.ReadFile(path)
-	}
-	if err != nil {
-		return "", fmt.Errorf("read --patch %s: %w", path, err)
-	}
-	if strings.TrimSpace(string(data)) == "" {
-		return "", usageErrorf("--patch %s is empty", path)
-	}
-	return string(data), nil
 }
 
 // shutdown

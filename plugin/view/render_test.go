@@ -117,7 +117,42 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 	s["succeeded"] = done
 
 	s["many"] = fleet(60, 3, 1)
+	s["config-plan"], s["config-running"] = configRollout()
 	return s
+}
+
+// configRollout is a config rollout in mode auto: created paused, each
+// machine showing what the patches would do to it; then running, the
+// machines saying whether they were applied live or rebooted.
+func configRollout() (planned, running *ichorv1.TalosOperation) {
+	planned = baseOp()
+	planned.Name = "config-apply-k2x9p"
+	planned.Spec.Kind, planned.Spec.Talos, planned.Spec.Paused = ichorv1.KindConfig, nil, true
+	planned.Spec.Config = &ichorv1.ConfigRollout{Patches: []string{"machine: {nodeLabels: {zone: a}}", "machine: {env: {A: b}}"}, Mode: ichorv1.ConfigModeAuto}
+	planned.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonPausedByOperator, Target: planned.Spec.Config.Summary(), ObservedGeneration: 1,
+		Message: "paused by an operator (spec.paused)", Progress: "0/4",
+		Machines: []ichorv1.MachineStatus{
+			{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachinePending, Message: "plan: changes, applies live"},
+			{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachinePending, Message: "plan: no change"},
+			{Name: "worker-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachinePending, Message: "plan: changes, needs a reboot"},
+			{Name: "worker-2", Role: ichorv1.RoleWorker, Phase: ichorv1.MachinePending, Message: "plan: changes, applies live"},
+		},
+	}
+	running = planned.DeepCopy()
+	running.Spec.Paused = false
+	st := &running.Status
+	st.Phase, st.Reason, st.Lock, st.Message, st.Progress, st.Current = ichorv1.PhaseRunning, "", ichorv1.LockHeld, "running", "2/4", "worker-1"
+	st.StartTime = ago(3 * time.Minute)
+	ms := st.Machines
+	ms[0] = ichorv1.MachineStatus{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, From: "3f2a9c1b", To: "7c1d0e2f",
+		StartedAt: ago(3 * time.Minute), FinishedAt: ago(170 * time.Second), Attempts: 1, Message: "applied live"}
+	ms[1] = ichorv1.MachineStatus{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, From: "7c1d0e2f", To: "7c1d0e2f",
+		StartedAt: ago(170 * time.Second), FinishedAt: ago(169 * time.Second), Attempts: 1, Message: "already applied"}
+	ms[2] = ichorv1.MachineStatus{Name: "worker-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "wait-rebooted", From: "0b6e44a1", To: "e91f3c70",
+		StartedAt: ago(150 * time.Second), Attempts: 1, Message: "waiting for the machine to come back"}
+	ms[3].Message = "plan: changes, applies live"
+	return planned, running
 }
 
 // facts are what the watch reads besides the operation, per scenario: the

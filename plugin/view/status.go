@@ -102,7 +102,7 @@ func Target(op *ichorv1.TalosOperation) string {
 		return t
 	case ichorv1.KindConfig:
 		if s.Config != nil {
-			return fmt.Sprintf("config (%d patches)", len(s.Config.Patches))
+			return Clean(s.Config.Summary())
 		}
 	case ichorv1.KindNode:
 		if s.Node != nil {
