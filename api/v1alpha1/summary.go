@@ -52,6 +52,28 @@ func (o *TalosOperation) Failed() bool {
 // person can change: it succeeded, or it Failed.
 func (o *TalosOperation) Finished() bool { return o.Succeeded() || o.Failed() }
 
+// InFlight names the machines that have a step in flight, as status
+// records it: in progress and not stopped between steps. A restarted
+// controller reads the same.
+func (s *TalosOperationStatus) InFlight() []string {
+	var out []string
+	for _, m := range s.Machines {
+		if m.Phase == MachineInProgress && !m.Stopped {
+			out = append(out, m.Name+": "+m.Step)
+		}
+	}
+	return out
+}
+
+// Settled reports whether no step of the operation is in flight.
+func (o *TalosOperation) Settled() bool { return len(o.Status.InFlight()) == 0 }
+
+// FailedAndSettled reports whether a failed step holds the operation and
+// every step that was in flight when it failed has settled (a reboot under
+// way has finished): only then does its holder count as paused on a failed
+// step, so another disruption cannot overlap what is still going on.
+func (o *TalosOperation) FailedAndSettled() bool { return o.StepFailed() && o.Settled() }
+
 // FailedMachine returns the first machine whose step failed, or nil.
 func (s *TalosOperationStatus) FailedMachine() *MachineStatus {
 	for i := range s.Machines {

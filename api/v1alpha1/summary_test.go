@@ -9,7 +9,7 @@ import (
 )
 
 func TestOperationSummary(t *testing.T) {
-	type want struct{ succeeded, stepFailed, operator, retry, failed, finished bool }
+	type want struct{ succeeded, stepFailed, operator, retry, failed, finished, failedAndSettled bool }
 	retry := map[string]string{ichorv1.RetryAnnotation: ichorv1.RetryRequested}
 	tests := []struct {
 		name string
@@ -19,11 +19,15 @@ func TestOperationSummary(t *testing.T) {
 		{"new", op(nil, ichorv1.TalosOperationSpec{}, ichorv1.TalosOperationStatus{}), want{}},
 		{"running", op(nil, ichorv1.TalosOperationSpec{}, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning}), want{}},
 		{"succeeded", op(nil, ichorv1.TalosOperationSpec{}, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded}), want{succeeded: true, finished: true}},
-		{"step failed", op(nil, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, failed: true, finished: true}},
-		{"step failed, retry pending", op(retry, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, retry: true}},
-		{"retry annotation other value", op(map[string]string{ichorv1.RetryAnnotation: "yes"}, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, failed: true, finished: true}},
+		{"step failed", op(nil, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, failed: true, finished: true, failedAndSettled: true}},
+		{"step failed, another machine mid-step", op(nil, ichorv1.TalosOperationSpec{}, failedStatus(ichorv1.MachineStatus{Name: "w-1", Phase: ichorv1.MachineInProgress, Step: "wait-rebooted"})),
+			want{stepFailed: true, failed: true, finished: true}},
+		{"step failed, another machine stopped between steps", op(nil, ichorv1.TalosOperationSpec{}, failedStatus(ichorv1.MachineStatus{Name: "w-1", Phase: ichorv1.MachineInProgress, Step: "uncordon", Stopped: true})),
+			want{stepFailed: true, failed: true, finished: true, failedAndSettled: true}},
+		{"step failed, retry pending", op(retry, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, retry: true, failedAndSettled: true}},
+		{"retry annotation other value", op(map[string]string{ichorv1.RetryAnnotation: "yes"}, ichorv1.TalosOperationSpec{}, failedStatus()), want{stepFailed: true, failed: true, finished: true, failedAndSettled: true}},
 		{"operator paused", op(nil, ichorv1.TalosOperationSpec{Paused: true}, ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonPausedByOperator}), want{operator: true}},
-		{"operator paused and failed", op(nil, ichorv1.TalosOperationSpec{Paused: true}, failedStatus()), want{stepFailed: true, operator: true, failed: true, finished: true}},
+		{"operator paused and failed", op(nil, ichorv1.TalosOperationSpec{Paused: true}, failedStatus()), want{stepFailed: true, operator: true, failed: true, finished: true, failedAndSettled: true}},
 		{"refused", op(nil, ichorv1.TalosOperationSpec{}, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRefused, ObservedGeneration: 1}), want{failed: true, finished: true}},
 		{"refused, override not yet observed", func() ichorv1.TalosOperation {
 			o := op(nil, ichorv1.TalosOperationSpec{Override: true}, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRefused, ObservedGeneration: 1})
@@ -34,7 +38,7 @@ func TestOperationSummary(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			o := &tt.op
-			got := want{o.Succeeded(), o.StepFailed(), o.PausedByOperator(), o.RetryPending(), o.Failed(), o.Finished()}
+			got := want{o.Succeeded(), o.StepFailed(), o.PausedByOperator(), o.RetryPending(), o.Failed(), o.Finished(), o.FailedAndSettled()}
 			if got != tt.want {
 				t.Errorf("got %+v, want %+v", got, tt.want)
 			}
@@ -50,10 +54,10 @@ func op(annotations map[string]string, spec ichorv1.TalosOperationSpec, status i
 	}
 }
 
-func failedStatus() ichorv1.TalosOperationStatus {
+func failedStatus(others ...ichorv1.MachineStatus) ichorv1.TalosOperationStatus {
 	return ichorv1.TalosOperationStatus{
 		Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "upgrade cp-2: timeout",
-		Machines: []ichorv1.MachineStatus{{Name: "cp-1", Phase: ichorv1.MachineSucceeded}, {Name: "cp-2", Phase: ichorv1.MachineFailed}},
+		Machines: append([]ichorv1.MachineStatus{{Name: "cp-1", Phase: ichorv1.MachineSucceeded}, {Name: "cp-2", Phase: ichorv1.MachineFailed}}, others...),
 	}
 }
 

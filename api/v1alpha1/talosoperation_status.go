@@ -107,6 +107,11 @@ type MachineStatus struct {
 	// machine is done.
 	// +optional
 	BootID string `json:"bootID,omitempty"`
+	// Stopped is true while work on the machine has stopped between two
+	// steps because the operation was paused, failed elsewhere or deleted:
+	// Step is the next step and has not begun. Resuming or a retry begins it.
+	// +optional
+	Stopped bool `json:"stopped,omitempty"`
 	// Message says what is happening or what went wrong.
 	// +optional
 	Message string `json:"message,omitempty"`
@@ -158,6 +163,12 @@ type TalosOperationStatus struct {
 	// RetryCount counts the retry requests acted on.
 	// +optional
 	RetryCount int32 `json:"retryCount,omitempty"`
+	// RetryConsumed is true from the moment the controller acts on a retry
+	// request until it has removed the request's annotation: while it is
+	// true, the annotation is that same request, consumed by the failure it
+	// was made for, and never acted on again.
+	// +optional
+	RetryConsumed bool `json:"retryConsumed,omitempty"`
 	// StartTime is when the operation first started running.
 	// +optional
 	StartTime *metav1.Time `json:"startTime,omitempty"`

@@ -56,7 +56,7 @@ func (j ClusterJudge) staleOperation(ctx context.Context, id ichorv1.LockHolder)
 		return true, "completed", nil
 	case op.Refused():
 		return true, "refused", nil
-	case op.StepFailed() && !op.PausedByOperator():
+	case op.FailedAndSettled() && !op.PausedByOperator():
 		return true, "paused on a failed step", nil
 	}
 	return false, "", nil

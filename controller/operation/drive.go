@@ -101,7 +101,7 @@ func (t *turn) checkWaits(ctx context.Context) time.Duration {
 	var requeue time.Duration
 	for i := range st.Machines {
 		m := &st.Machines[i]
-		if m.Phase != ichorv1.MachineInProgress {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
 			continue
 		}
 		step, ok := findStep(t.exec.Steps(t.op, m), m.Step)
@@ -113,6 +113,23 @@ func (t *turn) checkWaits(ctx context.Context) time.Duration {
 		}
 	}
 	return requeue
+}
+
+// stopBetweenSteps stops the machines whose step ended this turn before
+// their next step, when that is a Run step: a stopping operation launches
+// nothing new. A Wait step is no launch: a reboot under way is watched
+// until it has finished.
+func (t *turn) stopBetweenSteps() {
+	st := &t.op.Status
+	for i := range st.Machines {
+		m := &st.Machines[i]
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped || t.persistedAt(m) {
+			continue
+		}
+		if step, ok := findStep(t.exec.Steps(t.op, m), m.Step); !ok || step.Run != nil {
+			m.Stopped = true
+		}
+	}
 }
 
 // startMachine records that work on the machine begins, at its first step.
@@ -167,7 +184,7 @@ func (t *turn) launch(ctx context.Context) {
 	}
 	op := t.persisted
 	for _, m := range op.Status.Machines {
-		if m.Phase != ichorv1.MachineInProgress {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
 			continue
 		}
 		wm := entry(&t.op.Status, m.Name)

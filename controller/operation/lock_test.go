@@ -2,15 +2,16 @@ package operation_test
 
 import (
 	"context"
-
 	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"os"
-	"path/filepath"
-	"testing"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -250,5 +251,68 @@ func TestJobHolder(t *testing.T) {
 	c.waitSucceeded("reboot", time.Minute)
 	if st := c.lockHolder(); st.TakenOverFrom != id+" (finished)" {
 		t.Errorf("takeover note %q", st.TakenOverFrom)
+	}
+}
+
+// TestTakeoverWaitsForStepsInFlight: with maxUnavailable 2, w1 fails (Talos
+// rolls its upgrade back) while w2's install (which reboots it) is still in
+// flight. The failed operation
+// starts nothing new and keeps the lock until w2 is back, and only then
+// counts as paused on a failed step: the waiting reboot of w3 never
+// overlaps w2's. w2 stops before its uncordon, and a retry finishes both.
+func TestTakeoverWaitsForStepsInFlight(t *testing.T) {
+	spec := sim.Cluster("", 1, 3)
+	// Slow enough that w2 has reached its install when w1 comes back rolled back.
+	spec.Durations.Reboot = time.Second
+	c := newCluster(t, spec)
+	w := func(i int) string { return c.fleet.Machines()[i].Name() }
+	c.fleet.Machine(w(1)).Inject(sim.Fault{Kind: sim.FaultRollback})
+	release := c.fleet.Machine(w(2)).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
+	c.start()
+	a := talosSpec("v1.13.7")
+	a.MaxUnavailable = 2
+	c.create("a-upgrade", a)
+	c.waitFor("a-upgrade", "to fail on "+w(1)+" with "+w(2)+"'s install in flight", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w(2))
+		return op.StepFailed() && m != nil && m.Step == "install" && !m.Stopped
+	})
+	// w1 and w2 are cordoned: b's budget must allow for them.
+	b := rebootSpec(w(3))
+	b.MaxUnavailable = 3
+	c.create("b-reboot", b)
+	holder := ichorv1.OperationIdentity(c.ns, "a-upgrade")
+	got := c.waitFor("b-reboot", "to take its first turn", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Phase != "" && op.Status.Phase != ichorv1.PhasePending
+	})
+	if got.Status.Reason != ichorv1.ReasonClusterLockHeld || got.Status.LockHolder != holder {
+		t.Fatalf("b-reboot went ahead while %s's install was in flight: phase %s reason %s holder %q", w(2), got.Status.Phase, got.Status.Reason, got.Status.LockHolder)
+	}
+	if op := c.get("a-upgrade"); op.FailedAndSettled() || !strings.Contains(op.Status.Message, "settle first: "+w(2)+": install") {
+		t.Errorf("a-upgrade counts as settled with %s in flight, message %q", w(2), op.Status.Message)
+	}
+	release()
+	c.waitSucceeded("b-reboot", time.Minute)
+	op := c.get("a-upgrade")
+	if m := entryOf(op, w(2)); m.Phase != ichorv1.MachineInProgress || !m.Stopped || m.Step != "uncordon" {
+		t.Errorf("%s: %s step %s stopped %v; want InProgress, stopped before uncordon", w(2), m.Phase, m.Step, m.Stopped)
+	}
+	rec := c.fleet.Recorder()
+	for _, o := range rec.Overlaps(sim.ActionReboot, sim.ActionUpgrade) {
+		if o.A.Machine == w(3) || o.B.Machine == w(3) {
+			t.Errorf("b-reboot's reboot overlapped a-upgrade's work: %+v", o)
+		}
+	}
+
+	c.fleet.Machine(w(1)).ClearFaults()
+	c.kubectl("annotate", "talosoperation", "a-upgrade", ichorv1.RetryAnnotation+"=true")
+	c.waitSucceeded("a-upgrade", time.Minute)
+	for i := 1; i <= 2; i++ {
+		node := &corev1.Node{}
+		if err := env.Client.Get(context.Background(), keyOfNode(w(i)), node); err != nil {
+			t.Fatal(err)
+		}
+		if n := rec.UpgradesApplied(w(i)); n != 1 || node.Spec.Unschedulable {
+			t.Errorf("%s: %d upgrades, unschedulable %v; want 1, schedulable", w(i), n, node.Spec.Unschedulable)
+		}
 	}
 }

@@ -96,28 +96,60 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 // operation that does not advance this turn (a failed step, an operator's
 // pause); stopped says it does not.
 func (t *turn) reconcileStopped(ctx context.Context) (ctrl.Result, bool) {
-	if t.op.StepFailed() {
-		if !t.retryRuns() {
-			return t.reconcileFailed(), true
-		}
+	t.forgetConsumedRetry()
+	switch {
+	case t.op.StepFailed() && t.retryRuns():
 		t.retry()
-	} else if t.op.RetryPending() && !t.op.Spec.Paused {
+	case t.op.StepFailed():
+		return t.reconcileFailed(ctx), true
+	case t.newRetryRequest():
 		// Nothing failed: a retry now would pre-approve a future failure.
 		t.ignoreRetry("no step has failed, so there is nothing to run again")
 	}
 	if t.op.Spec.Paused {
-		return t.reconcilePaused(), true
+		return t.reconcilePaused(ctx), true
 	}
 	return ctrl.Result{}, false
 }
 
 // reconcileFailed keeps an operation whose step failed where it is: it is
-// never retried by itself and nothing is rolled back.
-func (t *turn) reconcileFailed() ctrl.Result { return ctrl.Result{} }
+// never retried by itself, nothing is rolled back and nothing new starts,
+// but the steps in flight settle.
+func (t *turn) reconcileFailed(ctx context.Context) ctrl.Result { return t.settle(ctx) }
 
-// retryRuns reports whether a retry request runs now: one is pending and no
-// operator pause holds it back (resuming then runs it).
-func (t *turn) retryRuns() bool { return t.op.RetryPending() && !t.op.Spec.Paused }
+// settle lets the steps in flight end and starts nothing new. Run steps in
+// flight run to their end (collect records it, and one a restart
+// interrupted runs again), Wait steps are still checked (a reboot under way
+// finishes), and a machine whose step has ended stops before its next Run
+// step, to begin it on resume or retry.
+func (t *turn) settle(ctx context.Context) ctrl.Result {
+	requeue := t.checkWaits(ctx)
+	t.stopBetweenSteps()
+	t.canLaunch = true
+	return ctrl.Result{RequeueAfter: requeue}
+}
+
+// newRetryRequest reports whether a retry annotation asks for a retry that
+// has not been acted on.
+func (t *turn) newRetryRequest() bool { return t.op.RetryPending() && !t.op.Status.RetryConsumed }
+
+// retryRuns reports whether a retry request runs now: a new one is pending
+// and no operator pause holds it back (resuming then runs it).
+func (t *turn) retryRuns() bool { return t.newRetryRequest() && !t.op.Spec.Paused }
+
+// forgetConsumedRetry finishes with a retry request already acted on: its
+// annotation, if still there (its removal failed), is removed again and
+// never acted on; once it is gone a new request may come.
+func (t *turn) forgetConsumedRetry() {
+	if !t.op.Status.RetryConsumed {
+		return
+	}
+	if t.op.RetryPending() {
+		t.dropRetry = true
+		return
+	}
+	t.op.Status.RetryConsumed = false
+}
 
 // retry acts on a retry request: records it, clears the failure and runs
 // the failed steps again (completed machines stay completed).
@@ -135,7 +167,7 @@ func (t *turn) retry() {
 		m.Attempts++
 		again = append(again, m.Name+": "+m.Step)
 	}
-	st.FailureReason = ""
+	st.FailureReason, st.RetryConsumed = "", true
 	t.dropRetry = true
 	t.event(corev1.EventTypeNormal, "Retrying", "retry %d requested: running %s again", st.RetryCount, strings.Join(again, ", "))
 }
@@ -146,14 +178,9 @@ func (t *turn) ignoreRetry(why string) {
 	t.event(corev1.EventTypeNormal, "RetryIgnored", "%s=true removed: %s", ichorv1.RetryAnnotation, why)
 }
 
-// reconcilePaused stops an operator-paused operation between steps. It
-// keeps the cluster lock if it holds it.
-func (t *turn) reconcilePaused() ctrl.Result {
-	if running := t.r.runner.running(t.op.UID); len(running) > 0 {
-		t.why = "finishing the steps in flight: " + strings.Join(running, ", ")
-	}
-	return ctrl.Result{}
-}
+// reconcilePaused stops an operator-paused operation between steps: the
+// steps in flight settle. It keeps the cluster lock if it holds it.
+func (t *turn) reconcilePaused(ctx context.Context) ctrl.Result { return t.settle(ctx) }
 
 // reconcileRunning evaluates Wait steps and starts the machines the plan
 // allows. deriveStatus finds the operation Succeeded once every machine is done.
@@ -162,7 +189,12 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 	st := &op.Status
 	requeue := t.checkWaits(ctx)
 	if op.StepFailed() {
-		return ctrl.Result{}, nil
+		t.stopBetweenSteps()
+		t.canLaunch = true
+		return ctrl.Result{RequeueAfter: requeue}, nil
+	}
+	for i := range st.Machines {
+		st.Machines[i].Stopped = false // resumed, or retried
 	}
 	unavailable := map[string]bool{}
 	for i := range t.nodes {
@@ -180,10 +212,29 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 	return ctrl.Result{RequeueAfter: requeue}, nil
 }
 
-// reconcileSettled is the turn of an operation that is over: it lets go of
-// the cluster lock if it still holds it.
-func (t *turn) reconcileSettled(ctx context.Context) (ctrl.Result, error) {
-	return ctrl.Result{}, t.r.release(ctx, t.op)
+// reconcileOver is the turn of an operation that has ended: it lets go of
+// the cluster lock if it still holds it, and removes a retry request (there
+// is nothing to run again).
+func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
+	if err := t.r.release(ctx, t.op); err != nil {
+		return ctrl.Result{}, err
+	}
+	if !t.op.RetryPending() && !t.op.Status.RetryConsumed {
+		return ctrl.Result{}, nil
+	}
+	if t.newRetryRequest() {
+		why := "the operation has succeeded"
+		if t.op.Refused() {
+			why = "the operation was refused and nothing ran; a retry does not check it again: set spec.override to run it anyway, or create a new operation"
+		}
+		t.ignoreRetry(why)
+	} else {
+		t.forgetConsumedRetry()
+	}
+	if err := t.write(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
+	return ctrl.Result{}, t.removeRetry(ctx)
 }
 
 // reconcileDelete lets a deleted operation go once the steps in flight have

@@ -9,6 +9,7 @@ package operation
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -89,8 +90,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	case !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer):
 		controllerutil.AddFinalizer(op, ichorv1.Finalizer)
 		return ctrl.Result{}, r.Client.Update(ctx, op)
-	case settled(op):
-		return t.reconcileSettled(ctx)
+	case over(op):
+		return t.reconcileOver(ctx)
 	}
 	defer func() {
 		log.V(1).Info("reconciled", "took", r.now().Sub(t.now.Time).String(), "phase", t.op.Status.Phase)
@@ -113,10 +114,10 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	}
 	if t.op.Succeeded() || t.op.Refused() {
 		// Let the next operation in at once, not a watch round trip later.
-		return ctrl.Result{}, t.r.release(ctx, t.op)
+		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRetry(ctx))
 	}
 	t.launch(ctx)
-	return result, nil
+	return result, t.removeRetry(ctx)
 }
 
 // announce leaves the Event of a change of phase (or of the reason a
@@ -167,14 +168,40 @@ func (t *turn) write(ctx context.Context) error {
 	for _, e := range t.events {
 		e()
 	}
-	if t.dropRetry {
-		patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, ichorv1.RetryAnnotation))
-		before := t.op.ResourceVersion
-		if err := t.r.Client.Patch(ctx, t.op, client.RawPatch(types.MergePatchType, patch)); err != nil {
-			return fmt.Errorf("remove the retry annotation: %w", err)
-		}
-		t.r.superseded.Store(t.op.UID, before)
+	t.events = nil
+	return nil
+}
+
+// removeRetry removes the retry annotation the turn has done with. When
+// that fails nothing else waits for it: status already records what the
+// request did (retryConsumed), and the next turn removes it again.
+func (t *turn) removeRetry(ctx context.Context) error {
+	if !t.dropRetry {
+		return nil
 	}
+	patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, ichorv1.RetryAnnotation))
+	before := t.op.ResourceVersion
+	if err := t.r.Client.Patch(ctx, t.op, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		return fmt.Errorf("remove the retry annotation: %w", err)
+	}
+	t.r.superseded.Store(t.op.UID, before)
+	if t.op.Status.RetryConsumed {
+		// The request is gone: a retry annotation from now on is a new one.
+		return t.clearRetryConsumed(ctx)
+	}
+	return nil
+}
+
+// clearRetryConsumed records that the consumed retry request's annotation is gone.
+func (t *turn) clearRetryConsumed(ctx context.Context) error {
+	before := t.op.ResourceVersion
+	t.op.Status.RetryConsumed = false
+	if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
+		return fmt.Errorf("write status: %w", err)
+	}
+	statusWrites.Inc()
+	t.r.superseded.Store(t.op.UID, before)
+	t.persisted = t.op.DeepCopy()
 	return nil
 }
 
@@ -197,8 +224,8 @@ func describe(fs []preflight.Failure) string {
 	return strings.Join(parts, "; ")
 }
 
-// settled reports whether the operation is over: it succeeded, or it was
+// over reports whether the operation has ended: it succeeded, or it was
 // refused and no override waits to run it (the API's Failed says when).
-func settled(op *ichorv1.TalosOperation) bool {
+func over(op *ichorv1.TalosOperation) bool {
 	return op.Succeeded() || (op.Refused() && op.Failed())
 }

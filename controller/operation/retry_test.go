@@ -1,12 +1,22 @@
 package operation_test
 
 import (
+	"context"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"maesh.dev/ichor/internal/testenv"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/sim"
@@ -106,5 +116,106 @@ func TestRetryWithKubectlAnnotate(t *testing.T) {
 	op := c.waitSucceeded("upgrade", time.Minute)
 	if op.Status.RetryCount != 1 || op.Status.LastRetry == nil || op.RetryPending() {
 		t.Errorf("retryCount %d lastRetry %v pending %v", op.Status.RetryCount, op.Status.LastRetry, op.RetryPending())
+	}
+}
+
+// keepRetryAnnotation makes the API server refuse to remove the retry
+// annotation from operations in the cluster's namespace (a real
+// ValidatingAdmissionPolicy), so the controller's removal fails. It
+// returns the function that lifts the refusal.
+func keepRetryAnnotation(t *testing.T, c *cluster, name string) (lift func()) {
+	t.Helper()
+	ctx := context.Background()
+	policy := &admissionregistrationv1.ValidatingAdmissionPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: "keep-retry-" + c.ns},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicySpec{
+			FailurePolicy: ptr.To(admissionregistrationv1.Fail),
+			MatchConstraints: &admissionregistrationv1.MatchResources{ResourceRules: []admissionregistrationv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionregistrationv1.RuleWithOperations{Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Update},
+					Rule: admissionregistrationv1.Rule{APIGroups: []string{ichorv1.GroupVersion.Group}, APIVersions: []string{"*"}, Resources: []string{"talosoperations"}}},
+			}}},
+			Validations: []admissionregistrationv1.Validation{{
+				Expression: fmt.Sprintf(`!(has(oldObject.metadata.annotations) && %[1]q in oldObject.metadata.annotations) || (has(object.metadata.annotations) && %[1]q in object.metadata.annotations)`, ichorv1.RetryAnnotation),
+				Message:    "the test keeps the retry annotation",
+			}},
+		},
+	}
+	binding := &admissionregistrationv1.ValidatingAdmissionPolicyBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: policy.Name},
+		Spec: admissionregistrationv1.ValidatingAdmissionPolicyBindingSpec{PolicyName: policy.Name,
+			ValidationActions: []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny},
+			MatchResources: &admissionregistrationv1.MatchResources{NamespaceSelector: &metav1.LabelSelector{
+				MatchLabels: map[string]string{"kubernetes.io/metadata.name": c.ns}}}},
+	}
+	for _, o := range []client.Object{policy, binding} {
+		if err := env.Client.Create(ctx, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lift = func() {
+		for _, o := range []client.Object{binding, policy} {
+			if err := env.Client.Delete(ctx, o); err != nil && !notFound(err) {
+				t.Error(err)
+			}
+		}
+	}
+	t.Cleanup(lift)
+	// The policy is in force once a dry run of the removal is refused (a
+	// value other than "true" is never acted on by the controller).
+	c.kubectl("annotate", "--overwrite", "talosoperation", name, ichorv1.RetryAnnotation+"=not-yet")
+	testenv.Eventually(t, 30*time.Second, "the policy to refuse removing the retry annotation", func(ctx context.Context) (bool, error) {
+		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name}}
+		patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, ichorv1.RetryAnnotation)
+		err := env.Client.Patch(ctx, op, client.RawPatch(types.MergePatchType, []byte(patch)), client.DryRunAll)
+		return err != nil && strings.Contains(err.Error(), "keeps the retry annotation"), nil
+	})
+	return lift
+}
+
+// TestRetryConsumedOnce: a retry request is consumed by the failure it was
+// made for. When its annotation cannot be removed and the step fails again,
+// the leftover annotation does not retry the new failure; once it is
+// removed, a new request does. A request on a finished operation is
+// removed with an Event saying why.
+func TestRetryConsumedOnce(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w1 := c.fleet.Machines()[1].Name()
+	c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultError, Method: "Upgrade", Code: codes.Internal})
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitFor("upgrade", "to fail", time.Minute, (*ichorv1.TalosOperation).StepFailed)
+	lift := keepRetryAnnotation(t, c, "upgrade")
+
+	c.kubectl("annotate", "--overwrite", "talosoperation", "upgrade", ichorv1.RetryAnnotation+"=true")
+	op := c.waitFor("upgrade", "to fail again after one retry", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return op.StepFailed() && m.Phase == ichorv1.MachineFailed && m.Attempts >= 2
+	})
+	if m := entryOf(op, w1); op.Status.RetryCount != 1 || m.Attempts != 2 || !op.RetryPending() || !op.Status.RetryConsumed {
+		t.Fatalf("retryCount %d attempts %d annotation %q consumed %v; want 1, 2, the annotation left, consumed",
+			op.Status.RetryCount, m.Attempts, op.Annotations[ichorv1.RetryAnnotation], op.Status.RetryConsumed)
+	}
+	lift()
+	op = c.waitFor("upgrade", "to remove the consumed request", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return !op.RetryPending() && !op.Status.RetryConsumed
+	})
+	if m := entryOf(op, w1); op.Status.RetryCount != 1 || m.Attempts != 2 || !op.StepFailed() {
+		t.Fatalf("the leftover request retried the second failure: retryCount %d attempts %d failure %q", op.Status.RetryCount, m.Attempts, op.Status.FailureReason)
+	}
+
+	// A new request is a new retry.
+	c.fleet.Machine(w1).ClearFaults()
+	c.kubectl("annotate", "talosoperation", "upgrade", ichorv1.RetryAnnotation+"=true")
+	op = c.waitSucceeded("upgrade", time.Minute)
+	if m := entryOf(op, w1); op.Status.RetryCount != 2 || m.Attempts != 3 {
+		t.Errorf("retryCount %d attempts %d, want 2 and 3", op.Status.RetryCount, m.Attempts)
+	}
+
+	// On a finished operation a request is removed, with an Event saying why.
+	c.kubectl("annotate", "talosoperation", "upgrade", ichorv1.RetryAnnotation+"=true")
+	c.waitFor("upgrade", "to remove the request", time.Minute, func(op *ichorv1.TalosOperation) bool { return !op.RetryPending() })
+	e := waitEvent(t, c, "upgrade", corev1.EventTypeNormal, "RetryIgnored")
+	if !strings.Contains(e.Message, "has succeeded") {
+		t.Errorf("RetryIgnored Event %q does not say the operation has succeeded", e.Message)
 	}
 }

@@ -53,7 +53,7 @@ var schedules = []schedule{
 	{
 		name: "1cp-3w-paused-and-resumed", controlPlanes: 1, workers: 3, maxUnavailable: 1,
 		before: map[int]func(*scheduleRun){
-			6: func(s *scheduleRun) { s.persisted.Spec.Paused = true },
+			2: func(s *scheduleRun) { s.persisted.Spec.Paused = true },
 			8: func(s *scheduleRun) { s.persisted.Spec.Paused = false },
 		},
 	},
@@ -150,7 +150,13 @@ func (sc schedule) play(t *testing.T) string {
 		tn.announce()
 		// A turn that changes nothing is left out.
 		st := tn.op.Status
-		if line := fmt.Sprintf("%s %s %s: %s", st.Phase, st.Progress, orDash(st.Reason), st.Message); line != last || len(tn.events) > 0 {
+		line := fmt.Sprintf("%s %s %s: %s", st.Phase, st.Progress, orDash(st.Reason), st.Message)
+		for _, m := range st.Machines {
+			if m.Stopped {
+				line += fmt.Sprintf(" [%s stopped before %s]", m.Name, m.Step)
+			}
+		}
+		if line != last || len(tn.events) > 0 {
 			fmt.Fprintf(s.log, "turn %d: %s\n", turn, line)
 			last = line
 		}
@@ -173,7 +179,7 @@ func (sc schedule) play(t *testing.T) string {
 // records in progress: as the runner would once the step has ended.
 func (s *scheduleRun) finishLaunched(fails map[string]string) {
 	for _, m := range s.persisted.Status.Machines {
-		if m.Phase != ichorv1.MachineInProgress || !isRun(m.Step) {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped || !isRun(m.Step) {
 			continue
 		}
 		var err error

@@ -61,7 +61,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 // active maps any event to the operations that are not finished.
 func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
 	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
-		return !settled(op)
+		return !over(op)
 	})
 }
 
@@ -105,7 +105,7 @@ func turnChanged() predicate.Funcs {
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			a, okA := e.ObjectOld.(*ichorv1.TalosOperation)
 			b, okB := e.ObjectNew.(*ichorv1.TalosOperation)
-			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason ||
+			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason || a.Settled() != b.Settled() ||
 				a.Spec.Paused != b.Spec.Paused || !a.DeletionTimestamp.Equal(b.DeletionTimestamp)
 		},
 	}

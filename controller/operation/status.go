@@ -3,6 +3,7 @@ package operation
 import (
 	"fmt"
 	"slices"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -67,12 +68,19 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		return ichorv1.PhaseSucceeded, "Succeeded", fmt.Sprintf("%s done on %s machine(s)", st.Target, plan.Progress(st.Machines))
 	case op.StepFailed():
 		msg := failureMessage(st)
-		if op.RetryPending() && op.Spec.Paused {
+		if op.RetryPending() && op.Spec.Paused && !st.RetryConsumed {
 			msg += retryWaits
+		}
+		if inFlight := st.InFlight(); len(inFlight) > 0 {
+			msg += "; nothing new starts, and the steps in flight settle first: " + strings.Join(inFlight, ", ")
 		}
 		return ichorv1.PhasePaused, ichorv1.ReasonStepFailed, msg
 	case op.Spec.Paused:
-		return ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, joinWhy(pausedByYou, why)
+		msg := pausedByYou
+		if inFlight := st.InFlight(); len(inFlight) > 0 {
+			msg += "; finishing the steps in flight: " + strings.Join(inFlight, ", ")
+		}
+		return ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, msg
 	case st.Lock == ichorv1.LockWaiting:
 		if why == "" {
 			why = "waiting for the cluster lock, held by " + st.LockHolder
@@ -90,13 +98,6 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		return ichorv1.PhaseRunning, "", why
 	}
 	return ichorv1.PhaseRunning, "", "running"
-}
-
-func joinWhy(msg, why string) string {
-	if why == "" {
-		return msg
-	}
-	return msg + "; " + why
 }
 
 // failureMessage says which step failed where: the failure's reason, the
