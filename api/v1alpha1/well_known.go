@@ -33,6 +33,9 @@ const (
 	LeaderLeaseName = "ichor-controller-leader"
 	// VersionAnnotation on the leader Lease carries the leading controller's version.
 	VersionAnnotation = "ichor.maesh.dev/version"
+	// KindsAnnotation on the leader Lease lists the kinds the leading
+	// controller carries out, comma-separated (FormatKinds, ParseKinds).
+	KindsAnnotation = "ichor.maesh.dev/kinds"
 	// TalosconfigSecret (key TalosconfigKey) holds the controller's talosconfig.
 	TalosconfigSecret = "ichor-talosconfig"
 	TalosconfigKey    = "talosconfig"

@@ -130,7 +130,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if !o.LeaderElection {
 		return mgr, nil
 	}
-	if err := mgr.Add(&versionReporter{client: mgr.GetClient(), namespace: o.Namespace, version: o.Version, log: o.Log}); err != nil {
+	if err := mgr.Add(&versionReporter{client: mgr.GetClient(), namespace: o.Namespace, version: o.Version, kinds: o.Executors.Kinds(), log: o.Log}); err != nil {
 		return nil, err
 	}
 	return mgr, nil

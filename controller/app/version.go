@@ -14,12 +14,14 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
 
-// versionReporter writes the leader's version on the leader-election Lease,
-// where `kubectl ichor version` reads it.
+// versionReporter writes the leader's version, and the kinds it carries
+// out, on the leader-election Lease, where the plugin reads them (`kubectl
+// ichor version`, and the checks before it creates an operation).
 type versionReporter struct {
 	client    client.Client
 	namespace string
 	version   string
+	kinds     []ichorv1.OperationKind
 	log       logr.Logger
 }
 
@@ -28,7 +30,10 @@ func (v *versionReporter) NeedLeaderElection() bool { return true }
 
 // Start implements manager.Runnable.
 func (v *versionReporter) Start(ctx context.Context) error {
-	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{ichorv1.VersionAnnotation: v.version}}})
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]string{
+		ichorv1.VersionAnnotation: v.version,
+		ichorv1.KindsAnnotation:   ichorv1.FormatKinds(v.kinds),
+	}}})
 	if err != nil {
 		return err
 	}

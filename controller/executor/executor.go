@@ -150,6 +150,17 @@ func Default() Registry {
 	}
 }
 
+// Kinds lists the kinds the registry carries out, in the API's order.
+func (r Registry) Kinds() []ichorv1.OperationKind {
+	var out []ichorv1.OperationKind
+	for _, k := range ichorv1.Kinds {
+		if r[k] != nil {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
 // LockIdentifier is implemented by executors whose operations take the
 // cluster lock under another identity than the operation's own (a
 // control-plane reset is a removal, held under the machine's identity). An

@@ -2,6 +2,7 @@ package executor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -54,10 +55,7 @@ func (NodeAction) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]core
 			return []corev1.Node{n}, nil
 		}
 	}
-	if op.Spec.Machines != nil {
-		return nil, fmt.Errorf("machine %s is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector", name)
-	}
-	return nil, fmt.Errorf("machine %s is not a Node of this cluster: check the name with `kubectl get nodes`", name)
+	return nil, errors.New(ichorv1.MachineNotANode(name, op.Spec.Machines != nil))
 }
 
 // HonourHold implements Executor: a node action names its machine explicitly.

@@ -137,16 +137,6 @@ func (t *turn) announce() {
 	}
 }
 
-func (r *Reconciler) kinds() string {
-	var out []string
-	for _, k := range ichorv1.Kinds {
-		if r.Executors[k] != nil {
-			out = append(out, string(k))
-		}
-	}
-	return fmt.Sprint(out)
-}
-
 // write saves the working copy's status when it changed, then emits the
 // turn's Events and drops a consumed retry annotation.
 func (t *turn) write(ctx context.Context) error {

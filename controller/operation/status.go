@@ -157,7 +157,7 @@ func setCondition(op *ichorv1.TalosOperation, conditionType string, ok bool, rea
 // Checks of the controller's own, beside preflight's.
 const (
 	// CheckKindSupported: this controller carries out the kind.
-	CheckKindSupported = "KindSupported"
+	CheckKindSupported = ichorv1.CheckKindSupported
 	// CheckActionAllowed: the kind's action makes sense on its machines.
 	CheckActionAllowed = "ActionAllowed"
 )

@@ -89,8 +89,7 @@ func (t *turn) prepare(ctx context.Context) (bool, error) {
 	op := t.op
 	t.exec = t.r.Executors[op.Spec.Kind]
 	if t.exec == nil {
-		t.refuse([]preflight.Failure{{Check: CheckKindSupported, Message: fmt.Sprintf(
-			"this ichor-controller does not carry out kind %s yet (it carries out %s); nothing ran", op.Spec.Kind, t.r.kinds())}})
+		t.refuse([]preflight.Failure{{Check: CheckKindSupported, Message: ichorv1.KindNotCarriedOut(op.Spec.Kind, t.r.Executors.Kinds())}})
 		return true, nil
 	}
 	if op.Refused() {

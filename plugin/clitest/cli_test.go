@@ -105,6 +105,14 @@ func TestVersion(t *testing.T) {
 // checks what landed in the API server.
 func TestCreateEachKind(t *testing.T) {
 	ns := env.Namespace(t)
+	// The machines the node actions name exist: the plugin checks.
+	for _, name := range []string{"worker-1", "worker-2", "cp-1"} {
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if err := env.Client.Create(context.Background(), node); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = env.Client.Delete(context.Background(), node) })
+	}
 	patch := filepath.Join(t.TempDir(), "patch.yaml")
 	if err := os.WriteFile(patch, []byte("machine:\n  sysctls:\n    vm.max_map_count: \"262144\"\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -164,6 +172,42 @@ func TestCreateEachKind(t *testing.T) {
 			t.Errorf("stdout %q", out)
 		}
 	})
+}
+
+// TestCreateRefusesWhatTheControllerWould: a machine that is not a Node,
+// and a kind the running controller (its leader Lease says which) does not
+// carry out, are refused with the controller's words before anything is
+// created, exit 1.
+func TestCreateRefusesWhatTheControllerWould(t *testing.T) {
+	ns, ctrl := env.Namespace(t), env.Namespace(t)
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: ctrl, Name: ichorv1.LeaderLeaseName,
+		Annotations: map[string]string{ichorv1.VersionAnnotation: "v0.3.0", ichorv1.KindsAnnotation: "talos,node"}}}
+	if err := env.Client.Create(context.Background(), lease); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		args []string
+		err  string
+	}{
+		{[]string{"node", "reboot", "no-such-node"},
+			"error: ichor-controller would refuse this operation, so nothing was created: MachinesInScope: machine no-such-node is not a Node of this cluster: check the name with `kubectl get nodes`\n"},
+		{[]string{"node", "reboot", "no-such-node", "-l", "zone=a"},
+			"error: ichor-controller would refuse this operation, so nothing was created: MachinesInScope: machine no-such-node is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector\n"},
+		{[]string{"rotate", "ca", "--yes"},
+			"error: ichor-controller would refuse this operation, so nothing was created: KindSupported: this ichor-controller does not carry out kind ca-rotation yet (it carries out talos, node); nothing ran\n"},
+		{[]string{"upgrade", "kubernetes", "--to", "v1.36.2", "--dry-run=server"},
+			"error: ichor-controller would refuse this operation, so nothing was created: KindSupported: this ichor-controller does not carry out kind kubernetes yet (it carries out talos, node); nothing ran\n"},
+	}
+	for _, tt := range tests {
+		r := kubectl(t, "", append([]string{"ichor", "-n", ns, "--controller-namespace", ctrl}, tt.args...)...)
+		if r.code != 1 || r.err != tt.err {
+			t.Errorf("%v: exit %d, stderr\n%q\nwant exit 1 and\n%q", tt.args, r.code, r.err, tt.err)
+		}
+	}
+	list := &ichorv1.TalosOperationList{}
+	if err := env.Client.List(context.Background(), list, client.InNamespace(ns)); err != nil || len(list.Items) != 0 {
+		t.Errorf("refused creates left %d operations (%v)", len(list.Items), err)
+	}
 }
 
 // TestCreateRefusesBadInput checks that bad input gets a clear error, exit 1,

@@ -1,15 +1,23 @@
 package clitest
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -73,5 +81,50 @@ func TestUpgradeWaitAgainstAFleet(t *testing.T) {
 	op := getOp(t, ns, "second")
 	if !op.Succeeded() || op.Status.RetryCount != 1 || fleet.Machine(w2).Version() != "v1.13.7" {
 		t.Errorf("after retry: phase %s retries %d %s on %s", op.Status.Phase, op.Status.RetryCount, w2, fleet.Machine(w2).Version())
+	}
+}
+
+// TestCreateSaysTheVerdict: against a real controller, a create without
+// --watch or --wait waits briefly for the first verdict: a refusal exits 2
+// with what would pass, an accepted operation says how to follow it. The
+// plugin's own refusal of a kind the controller does not carry out says
+// what the controller says when it refuses one itself.
+func TestCreateSaysTheVerdict(t *testing.T) {
+	ns, ctrlNS, _ := withController(t)
+	testenv.Eventually(t, 30*time.Second, "the leader Lease to carry the kinds", func(ctx context.Context) (bool, error) {
+		lease := &coordinationv1.Lease{}
+		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ctrlNS, Name: ichorv1.LeaderLeaseName}, lease)
+		return err == nil && lease.Annotations[ichorv1.KindsAnnotation] != "", client.IgnoreNotFound(err)
+	})
+
+	r := kubectl(t, "", "ichor", "upgrade", "talos", "--to", "v1.10.9", "--name", "backwards", "-n", ns, "--controller-namespace", ctrlNS)
+	if r.code != 2 || r.out != "talosoperation.ichor.maesh.dev/backwards created\n" || !strings.Contains(r.err, "talosoperation.ichor.maesh.dev/backwards was refused by preflight") ||
+		!strings.Contains(r.err, "TalosVersionNewer") {
+		t.Errorf("a refused create: exit %d\nstdout %q\nstderr %q", r.code, r.out, r.err)
+	}
+	r = kubectl(t, "", "ichor", "upgrade", "talos", "--to", "v1.13.7", "--name", "forwards", "-n", ns, "--controller-namespace", ctrlNS, "-o", "name")
+	if r.code != 0 || r.out != "talosoperation.ichor.maesh.dev/forwards\n" || !strings.HasPrefix(r.err, "ichor-controller checked it: it ") ||
+		!strings.HasSuffix(r.err, "; follow it with: kubectl ichor watch forwards\n") {
+		t.Errorf("an accepted create: exit %d\nstdout %q\nstderr %q", r.code, r.out, r.err)
+	}
+
+	// The controller's own words for a kind it does not carry out...
+	direct := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "direct"},
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{}}}
+	if err := env.Client.Create(context.Background(), direct); err != nil {
+		t.Fatal(err)
+	}
+	var said string
+	testenv.Eventually(t, 30*time.Second, "the controller to refuse the shutdown", func(ctx context.Context) (bool, error) {
+		op := getOp(t, ns, "direct")
+		if c := meta.FindStatusCondition(op.Status.Conditions, ichorv1.CheckKindSupported); c != nil {
+			said = c.Message
+		}
+		return said != "", nil
+	})
+	// ...are the plugin's, before it creates anything.
+	r = kubectl(t, "", "ichor", "shutdown", "--yes", "-n", ns, "--controller-namespace", ctrlNS)
+	if want := "error: ichor-controller would refuse this operation, so nothing was created: KindSupported: " + said + "\n"; r.code != 1 || r.err != want {
+		t.Errorf("shutdown: exit %d, stderr\n%q\nwant\n%q", r.code, r.err, want)
 	}
 }

@@ -8,9 +8,12 @@ import (
 	"strings"
 
 	"github.com/spf13/cobra"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	utilrand "k8s.io/apimachinery/pkg/util/rand"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
 	cmdutil "k8s.io/kubectl/pkg/cmd/util"
@@ -128,11 +131,6 @@ func (o *createOptions) Run(ctx context.Context) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	if o.danger != nil && o.dryRun == cmdutil.DryRunNone && !o.yes {
-		if err := o.e.confirm(o.danger(&o.op.Spec)); err != nil {
-			return err
-		}
-	}
 	printer, err := o.printFlags.ToPrinter()
 	if err != nil {
 		return err
@@ -148,6 +146,15 @@ func (o *createOptions) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	ctrl, noController := readController(ctx, c, o.e.ControllerNamespace)
+	if err := o.precheck(ctx, c, ctrl); err != nil {
+		return err
+	}
+	if o.danger != nil && o.dryRun == cmdutil.DryRunNone && !o.yes {
+		if err := o.e.confirm(o.danger(&o.op.Spec)); err != nil {
+			return err
+		}
+	}
 	opts := []client.CreateOption{client.FieldOwner(FieldManager)}
 	if o.dryRun == cmdutil.DryRunServer {
 		opts = append(opts, client.DryRunAll)
@@ -158,8 +165,11 @@ func (o *createOptions) Run(ctx context.Context) error {
 	if err := printer.PrintObj(o.op, o.e.Streams.Out); err != nil {
 		return err
 	}
-	if !o.follow.following() {
+	if o.dryRun == cmdutil.DryRunServer {
 		return nil
+	}
+	if !o.follow.following() {
+		return o.e.verdict(ctx, c, o.op, noController)
 	}
 	// With -o, stdout carries only what -o asked for; the live view goes to stderr.
 	view := o.e.Streams.Out
@@ -167,6 +177,28 @@ func (o *createOptions) Run(ctx context.Context) error {
 		view = o.e.Streams.ErrOut
 	}
 	return o.e.follow(ctx, c, o.namespace, o.op.Name, o.follow, view, -1)
+}
+
+// precheck refuses, before anything is created, what the plugin can know
+// the controller would refuse, in the controller's words: a kind the
+// running controller does not carry out, a machine that is not a Node. What
+// it may not read (RBAC) it leaves to the controller, which stays the
+// authority; this only saves a round trip and a Refused object.
+func (o *createOptions) precheck(ctx context.Context, c client.Reader, ctrl controllerInfo) error {
+	var failed []string
+	if !ctrl.carriesOut(o.op.Spec.Kind) {
+		failed = append(failed, ichorv1.CheckKindSupported+": "+ichorv1.KindNotCarriedOut(o.op.Spec.Kind, ctrl.Kinds))
+	}
+	if n := o.op.Spec.Node; n != nil {
+		err := c.Get(ctx, types.NamespacedName{Name: n.Machine}, &corev1.Node{})
+		if apierrors.IsNotFound(err) {
+			failed = append(failed, ichorv1.CheckMachinesInScope+": "+ichorv1.MachineNotANode(n.Machine, o.op.Spec.Machines != nil))
+		}
+	}
+	if len(failed) == 0 {
+		return nil
+	}
+	return fmt.Errorf("ichor-controller would refuse this operation, so nothing was created: %s", strings.Join(failed, "; "))
 }
 
 // applyable is the operation as a client dry run prints it, so that

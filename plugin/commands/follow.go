@@ -275,12 +275,19 @@ func phaseWords(op *ichorv1.TalosOperation) string {
 // namespace (name empty) through an informer, so the watch survives expiry
 // and relists.
 func watchOperations(ctx context.Context, c client.WithWatch, ns, name string) watch.Interface {
+	_, _, w, _ := watchtools.NewIndexerInformerWatcher(operationsListWatch(c, ns, name), &ichorv1.TalosOperation{})
+	return w
+}
+
+// operationsListWatch lists and watches one operation (name) or every one
+// in the namespace (name empty; every namespace with ns empty too).
+func operationsListWatch(c client.WithWatch, ns, name string) *cache.ListWatch {
 	sel := func(o *metav1.ListOptions) {
 		if name != "" {
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
 		}
 	}
-	lw := &cache.ListWatch{
+	return &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			sel(&o)
 			list := &ichorv1.TalosOperationList{}
@@ -291,8 +298,6 @@ func watchOperations(ctx context.Context, c client.WithWatch, ns, name string) w
 			return c.Watch(ctx, &ichorv1.TalosOperationList{}, client.InNamespace(ns), &client.ListOptions{Raw: &o})
 		},
 	}
-	_, _, w, _ := watchtools.NewIndexerInformerWatcher(lw, &ichorv1.TalosOperation{})
-	return w
 }
 
 // finish closes the display and returns the outcome. The outcome's error is

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -71,25 +72,45 @@ func (e *Env) controllerVersion(ctx context.Context) (string, string) {
 	if err != nil {
 		return "", err.Error()
 	}
-	return readControllerVersion(ctx, c, e.ControllerNamespace)
+	info, unknown := readController(ctx, c, e.ControllerNamespace)
+	if unknown == "" && info.Version == "" {
+		unknown = fmt.Sprintf("the Lease %s/%s has no %s annotation", e.ControllerNamespace, ichorv1.LeaderLeaseName, ichorv1.VersionAnnotation)
+	}
+	return info.Version, unknown
 }
 
-func readControllerVersion(ctx context.Context, c client.Reader, ns string) (string, string) {
+// controllerInfo is what the leading controller publishes on its leader Lease.
+type controllerInfo struct {
+	Version string
+	// Kinds are the kinds it carries out; nil when it does not say (an
+	// older controller).
+	Kinds []ichorv1.OperationKind
+}
+
+// carriesOut reports whether the controller carries the kind out, as far
+// as it says.
+func (i controllerInfo) carriesOut(k ichorv1.OperationKind) bool {
+	return i.Kinds == nil || slices.Contains(i.Kinds, k)
+}
+
+// readController reads the leader Lease, or says why it cannot (no leader:
+// no controller runs).
+func readController(ctx context.Context, c client.Reader, ns string) (controllerInfo, string) {
 	lease := &coordinationv1.Lease{}
 	err := c.Get(ctx, types.NamespacedName{Namespace: ns, Name: ichorv1.LeaderLeaseName}, lease)
 	switch {
 	case apierrors.IsNotFound(err):
-		return "", fmt.Sprintf("no leader Lease %s/%s: is ichor-controller running? (see --controller-namespace)", ns, ichorv1.LeaderLeaseName)
+		return controllerInfo{}, fmt.Sprintf("no leader Lease %s/%s: is ichor-controller running? (see --controller-namespace)", ns, ichorv1.LeaderLeaseName)
 	case apierrors.IsForbidden(err):
-		return "", fmt.Sprintf("not allowed to read the Lease %s/%s", ns, ichorv1.LeaderLeaseName)
+		return controllerInfo{}, fmt.Sprintf("not allowed to read the Lease %s/%s", ns, ichorv1.LeaderLeaseName)
 	case err != nil:
-		return "", view.Clean(err.Error())
+		return controllerInfo{}, view.Clean(err.Error())
 	}
-	v := lease.Annotations[ichorv1.VersionAnnotation]
-	if v == "" {
-		return "", fmt.Sprintf("the Lease %s/%s has no %s annotation", ns, ichorv1.LeaderLeaseName, ichorv1.VersionAnnotation)
+	info := controllerInfo{Version: view.Clean(lease.Annotations[ichorv1.VersionAnnotation])}
+	if kinds, ok := lease.Annotations[ichorv1.KindsAnnotation]; ok {
+		info.Kinds = append([]ichorv1.OperationKind{}, ichorv1.ParseKinds(kinds)...)
 	}
-	return view.Clean(v), ""
+	return info, ""
 }
 
 // skewed reports whether two versions differ in major or minor.
