@@ -365,13 +365,15 @@ func TestCompletionFiltersByVerb(t *testing.T) {
 // cluster down, creates it on yes, and refuses (exit 1, nothing created) on
 // anything else.
 func TestConfirmation(t *testing.T) {
+	// No controller runs here (no leader Lease): the create says so.
+	const notChecked = "down is not checked yet: no leader Lease ichor-system/ichor-controller-leader: is ichor-controller running? (see --controller-namespace); follow it with: kubectl ichor watch down\n"
 	tests := []struct {
 		answer  string
 		created bool
 		errOut  string
 	}{
-		{"y\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: "},
-		{"yes\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: "},
+		{"y\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: " + notChecked},
+		{"yes\n", true, "This shuts down every machine of the cluster.\nProceed? [y/N]: " + notChecked},
 		{"n\n", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted by user\n"},
 		{"\n", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted by user\n"},
 		{"", false, "This shuts down every machine of the cluster.\nProceed? [y/N]: error: aborted: no answer\n"},
