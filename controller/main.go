@@ -1,6 +1,7 @@
 // Command ichor-controller carries out TalosOperations. Run without a
 // subcommand it is the controller; `ichor-controller lock` takes or releases
-// the cluster lock from a Job's init container.
+// the cluster lock from a Job's init container, and `ichor-controller cilium
+// upgrade` is the cni kind's Helm Job.
 package main
 
 import (
@@ -19,6 +20,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/ciliumcmd"
 	"maesh.dev/ichor/controller/lockcmd"
 	"maesh.dev/ichor/internal/version"
 )
@@ -64,7 +66,7 @@ func newRoot() *cobra.Command {
 	zo.BindFlags(gf)
 	f.AddGoFlagSet(gf)
 
-	cmd.AddCommand(lockcmd.New(), &cobra.Command{
+	cmd.AddCommand(lockcmd.New(), ciliumcmd.New(), &cobra.Command{
 		Use:   "version",
 		Short: "Print the version",
 		Args:  cobra.NoArgs,

@@ -18,6 +18,8 @@ var tableYAML []byte
 
 // Table is the compatibility table.
 type Table struct {
+	// CiliumChart is the Cilium chart this release of Ichor ships.
+	CiliumChart ChartPin `json:"ciliumChart"`
 	// Talos lists the Talos minors Ichor knows, oldest first, each with its
 	// latest patch.
 	Talos []TalosRelease `json:"talos"`
@@ -30,6 +32,40 @@ type Table struct {
 type TalosRelease struct {
 	Minor  Minor   `json:"minor"`
 	Latest Version `json:"latest"`
+}
+
+// ChartPin names one chart archive exactly: where it is published, its
+// version and the sha256 digest of the archive.
+type ChartPin struct {
+	// Repository is the Helm chart repository's URL.
+	Repository string `json:"repository"`
+	// Version is the chart's version, like 1.19.6 (Cilium's charts carry no v).
+	Version string `json:"version"`
+	// Digest is "sha256:" and the hex sha256 of the .tgz archive.
+	Digest string `json:"digest"`
+}
+
+// URL is where the archive is published: <repository>/cilium-<version>.tgz.
+func (p ChartPin) URL() string {
+	return strings.TrimSuffix(p.Repository, "/") + "/cilium-" + p.Version + ".tgz"
+}
+
+// Archive is the archive's file name, cilium-<version>.tgz.
+func (p ChartPin) Archive() string { return "cilium-" + p.Version + ".tgz" }
+
+func (p ChartPin) validate() error {
+	v, err := ParseVersion(p.Version)
+	if err != nil || !v.Final() || strings.HasPrefix(p.Version, "v") {
+		return fmt.Errorf("version %q is not a chart release like 1.19.6", p.Version)
+	}
+	hex, ok := strings.CutPrefix(p.Digest, "sha256:")
+	if !ok || len(hex) != 64 || strings.Trim(hex, "0123456789abcdef") != "" {
+		return fmt.Errorf("digest %q is not sha256: and 64 lower-case hex digits", p.Digest)
+	}
+	if !strings.HasPrefix(p.Repository, "https://") {
+		return fmt.Errorf("repository %q is not an https:// URL", p.Repository)
+	}
+	return nil
 }
 
 // Combination says that a Talos minor runs every Kubernetes in a range with
@@ -73,6 +109,9 @@ func (t *Table) validate() error {
 			}
 		}
 	}
+	if err := t.CiliumChart.validate(); err != nil {
+		return fmt.Errorf("ciliumChart: %w", err)
+	}
 	covered := map[Minor]bool{}
 	for i, c := range t.Combinations {
 		if _, ok := t.Latest(c.Talos); !ok {
@@ -94,7 +133,19 @@ func (t *Table) validate() error {
 			return fmt.Errorf("talos: Talos %s has no combination", r.Minor)
 		}
 	}
+	if !t.runsCilium(t.Newest().Minor, MustParseVersion(t.CiliumChart.Version)) {
+		return fmt.Errorf("ciliumChart: Cilium %s is in no combination with Talos %s", t.CiliumChart.Version, t.Newest().Minor)
+	}
 	return nil
+}
+
+func (t *Table) runsCilium(talos Minor, cilium Version) bool {
+	for _, c := range t.Combinations {
+		if c.Talos == talos && !c.Cilium.None && c.Cilium.Contains(cilium) {
+			return true
+		}
+	}
+	return false
 }
 
 // Latest is the latest patch of a Talos minor, when the table knows the minor.

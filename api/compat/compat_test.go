@@ -147,6 +147,7 @@ func TestSupports(t *testing.T) {
 
 func TestSupportsWithoutCiliumRow(t *testing.T) {
 	tab, err := Parse([]byte(`
+ciliumChart: {repository: https://helm.cilium.io, version: 1.19.6, digest: sha256:` + strings.Repeat("0", 64) + `}
 talos: [{minor: "1.13", latest: v1.13.7}]
 combinations: [{talos: "1.13", kubernetes: 1.31 - 1.36, cilium: 1.18.4 - 1.19}]
 `))
@@ -252,8 +253,10 @@ func TestTalosPath(t *testing.T) {
 }
 
 func TestParseRejectsBadTables(t *testing.T) {
-	ok := `talos: [{minor: "1.12", latest: v1.12.7}, {minor: "1.13", latest: v1.13.7}]
-combinations: [{talos: "1.12", kubernetes: "1.30", cilium: none}, {talos: "1.13", kubernetes: "1.31", cilium: none}]
+	digest := "sha256:" + strings.Repeat("ab", 32)
+	ok := `ciliumChart: {repository: https://helm.cilium.io, version: 1.19.6, digest: ` + digest + `}
+talos: [{minor: "1.12", latest: v1.12.7}, {minor: "1.13", latest: v1.13.7}]
+combinations: [{talos: "1.12", kubernetes: "1.30", cilium: none}, {talos: "1.13", kubernetes: "1.31", cilium: "1.19"}]
 `
 	if _, err := Parse([]byte(ok)); err != nil {
 		t.Fatalf("good table: %v", err)
@@ -275,6 +278,16 @@ combinations: [{talos: "1.12", kubernetes: "1.30", cilium: none}, {talos: "1.13"
 			"compatibility table: combinations[0]: Talos 1.9 is not listed under talos"},
 		"uncovered minor": {strings.Replace(ok, `{talos: "1.12"`, `{talos: "1.13"`, 1),
 			"compatibility table: talos: Talos 1.12 has no combination"},
+		"chart version with v": {strings.Replace(ok, "version: 1.19.6", "version: v1.19.6", 1),
+			`compatibility table: ciliumChart: version "v1.19.6" is not a chart release like 1.19.6`},
+		"chart pre-release": {strings.Replace(ok, "version: 1.19.6", "version: 1.19.0-rc.1", 1),
+			`compatibility table: ciliumChart: version "1.19.0-rc.1" is not a chart release like 1.19.6`},
+		"chart without digest": {strings.Replace(ok, digest, "sha256:abc", 1),
+			`compatibility table: ciliumChart: digest "sha256:abc" is not sha256: and 64 lower-case hex digits`},
+		"chart over http": {strings.Replace(ok, "https://helm", "http://helm", 1),
+			`compatibility table: ciliumChart: repository "http://helm.cilium.io" is not an https:// URL`},
+		"chart the newest Talos does not run": {strings.Replace(ok, `cilium: "1.19"`, `cilium: "1.20"`, 1),
+			"compatibility table: ciliumChart: Cilium 1.19.6 is in no combination with Talos 1.13"},
 		"bad range": {strings.Replace(ok, "cilium: none", "cilium: nothing", 1),
 			`compatibility table: error unmarshaling JSON: while decoding JSON: range "nothing": "nothing" is neither a minor like 1.31 nor a version like 1.18.4`},
 	}
@@ -290,6 +303,16 @@ combinations: [{talos: "1.12", kubernetes: "1.30", cilium: none}, {talos: "1.13"
 
 // A printer (kubectl ichor compat -o json) writes the table back as the
 // strings of the file.
+func TestDefaultCiliumChart(t *testing.T) {
+	pin := defaultTable(t).CiliumChart
+	if got, want := pin.URL(), "https://helm.cilium.io/cilium-"+pin.Version+".tgz"; got != want {
+		t.Fatalf("URL = %s, want %s", got, want)
+	}
+	if got, want := pin.Archive(), "cilium-"+pin.Version+".tgz"; got != want {
+		t.Fatalf("Archive = %s, want %s", got, want)
+	}
+}
+
 func TestTableJSON(t *testing.T) {
 	tab := defaultTable(t)
 	data, err := json.Marshal(tab.Combinations[0])

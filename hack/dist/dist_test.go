@@ -18,6 +18,9 @@ import (
 	"time"
 
 	"sigs.k8s.io/yaml"
+
+	"maesh.dev/ichor/api/compat"
+	"maesh.dev/ichor/controller/cilium"
 )
 
 // root is the repository root; go test runs in hack/dist.
@@ -414,5 +417,34 @@ func TestImageSources(t *testing.T) {
 	}
 	if !strings.Contains(string(docker), "CGO_ENABLED=0") || !strings.Contains(string(docker), "distroless/static") || !strings.Contains(string(docker), "USER 65532") {
 		t.Error("the image must be a static binary on distroless/static, run as a non-root user")
+	}
+}
+
+// TestImageShipsTheCiliumChart: the Dockerfile fetches the chart the
+// compatibility table pins, checks its digest, and puts it where the
+// controller loads it from.
+func TestImageShipsTheCiliumChart(t *testing.T) {
+	docker, err := os.ReadFile(filepath.Join(root, "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"$(go run ./hack/chartpin)", "sha256sum -c -", "COPY --from=build /out/charts/ " + cilium.ChartDir + "/"} {
+		if !strings.Contains(string(docker), want) {
+			t.Errorf("the Dockerfile does not say %q", want)
+		}
+	}
+	run := exec.Command("go", "run", "./hack/chartpin")
+	run.Dir = root
+	out, err := run.Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	table, err := compat.Default()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := table.CiliumChart
+	if got, want := strings.TrimSpace(string(out)), p.URL()+" "+p.Digest+" "+p.Archive(); got != want {
+		t.Fatalf("hack/chartpin prints %q, want %q", got, want)
 	}
 }

@@ -1,0 +1,3 @@
+{{- define "cilium.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default (printf "v%s" .Chart.AppVersion) }}
+{{- end -}}
