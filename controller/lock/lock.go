@@ -32,6 +32,10 @@ var ErrConflict = errors.New("the cluster lock changed while taking it; try agai
 const (
 	// TakenOverAnnotation records whom the holder took the lock over from, and why.
 	TakenOverAnnotation = "ichor.maesh.dev/taken-over-from"
+	// LentByAnnotation names the holder that lent the lock to the present
+	// one (an operation to its Job): only the lender takes it back, and the
+	// lock is not free while the lender goes on.
+	LentByAnnotation = "ichor.maesh.dev/lent-by"
 )
 
 // Judge decides whether a holder has finished with the lock without releasing it.
@@ -64,6 +68,8 @@ type Result struct {
 type State struct {
 	Holder string
 	Since  time.Time
+	// LentBy is the holder that lent the lock to Holder, if it was lent.
+	LentBy string
 	// TakenOverFrom is the Lease's note of the last takeover, if any.
 	TakenOverFrom string
 }
@@ -85,7 +91,8 @@ func (l *Lock) Get(ctx context.Context) (State, error) {
 }
 
 func stateOf(lease *coordinationv1.Lease) State {
-	s := State{Holder: ptr.Deref(lease.Spec.HolderIdentity, ""), TakenOverFrom: lease.Annotations[TakenOverAnnotation]}
+	s := State{Holder: ptr.Deref(lease.Spec.HolderIdentity, ""), TakenOverFrom: lease.Annotations[TakenOverAnnotation],
+		LentBy: lease.Annotations[LentByAnnotation]}
 	if lease.Spec.AcquireTime != nil {
 		s.Since = lease.Spec.AcquireTime.Time
 	}
@@ -104,8 +111,16 @@ func (l *Lock) get(ctx context.Context) (*coordinationv1.Lease, error) {
 	return lease, nil
 }
 
-// Acquire takes the lock for identity when it is free, already identity's,
-// or held by a holder the Judge finds stale.
+// Holds reports whether identity holds the lock: itself, or through the
+// holder it lent the lock to.
+func (s State) Holds(identity string) bool {
+	return s.Holder == identity || (s.Holder != "" && s.LentBy == identity)
+}
+
+// Acquire takes the lock for identity when it is free, already identity's
+// (or lent by identity: it still holds it, through the borrower), or held by
+// a holder the Judge finds stale. A lent lock is stale only once both the
+// borrower and the lender are.
 func (l *Lock) Acquire(ctx context.Context, identity string) (Result, error) {
 	lease, err := l.get(ctx)
 	if err != nil {
@@ -116,10 +131,10 @@ func (l *Lock) Acquire(ctx context.Context, identity string) (Result, error) {
 	}
 	st := stateOf(lease)
 	switch {
-	case st.Holder == identity:
+	case st.Holds(identity):
 		return Result{Acquired: true, Holder: identity, Since: st.Since}, nil
 	case st.Holder != "":
-		stale, why, err := l.Judge.Stale(ctx, st.Holder)
+		stale, why, err := l.stale(ctx, st)
 		if err != nil {
 			return Result{}, fmt.Errorf("judge lock holder %s: %w", st.Holder, err)
 		}
@@ -136,6 +151,84 @@ func (l *Lock) Acquire(ctx context.Context, identity string) (Result, error) {
 		return Result{}, err
 	}
 	return Result{Acquired: true, Holder: identity, Since: l.now()}, nil
+}
+
+// stale judges a holder; a lent lock is stale when borrower and lender are.
+func (l *Lock) stale(ctx context.Context, st State) (bool, string, error) {
+	stale, why, err := l.Judge.Stale(ctx, st.Holder)
+	if err != nil || !stale || st.LentBy == "" {
+		return stale, why, err
+	}
+	lenderStale, lenderWhy, err := l.Judge.Stale(ctx, st.LentBy)
+	if err != nil || !lenderStale {
+		return false, "", err
+	}
+	return true, fmt.Sprintf("%s; lent by %s, %s", why, st.LentBy, lenderWhy), nil
+}
+
+// Lend hands the lock from lender, which must hold it, to borrower in one
+// guarded write, so it is never free between them. The Lease records the
+// lender: the lender still holds the lock (Holds), and takes it back with
+// Reclaim once the borrower is done. Lending again to the same borrower
+// changes nothing.
+func (l *Lock) Lend(ctx context.Context, lender, borrower string) error {
+	lease, err := l.get(ctx)
+	if err != nil {
+		return err
+	}
+	st := State{}
+	if lease != nil {
+		st = stateOf(lease)
+	}
+	if st.Holder == borrower && st.LentBy == lender {
+		return nil
+	}
+	if lease == nil || st.Holder != lender {
+		return fmt.Errorf("%s cannot lend the cluster lock to %s: it is held by %q", lender, borrower, st.Holder)
+	}
+	return l.writeLent(ctx, lease, borrower, lender)
+}
+
+// Reclaim takes a lock that lender lent back from its borrower. It reports
+// whether lender holds the lock in its own name now (false when it had not
+// lent it and does not hold it).
+func (l *Lock) Reclaim(ctx context.Context, lender string) (bool, error) {
+	lease, err := l.get(ctx)
+	if err != nil || lease == nil {
+		return false, err
+	}
+	st := stateOf(lease)
+	switch {
+	case st.Holder == lender && st.LentBy == "":
+		return true, nil
+	case st.Holder == "" || st.LentBy != lender:
+		return false, nil
+	}
+	return true, l.writeLent(ctx, lease, lender, "")
+}
+
+// writeLent sets the holder and who lent it the lock, keeping the time the
+// lock was first taken: lending and reclaiming are one holding.
+func (l *Lock) writeLent(ctx context.Context, lease *coordinationv1.Lease, holder, lentBy string) error {
+	lease = lease.DeepCopy()
+	now := metav1.NewMicroTime(l.now())
+	lease.Spec.HolderIdentity, lease.Spec.RenewTime = &holder, &now
+	if lease.Annotations == nil {
+		lease.Annotations = map[string]string{}
+	}
+	if lentBy == "" {
+		delete(lease.Annotations, LentByAnnotation)
+	} else {
+		lease.Annotations[LentByAnnotation] = lentBy
+	}
+	err := l.Client.Update(ctx, lease)
+	if apierrors.IsConflict(err) {
+		return ErrConflict
+	}
+	if err != nil {
+		return fmt.Errorf("update cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
+	}
+	return nil
 }
 
 func (l *Lock) create(ctx context.Context, identity string) (Result, error) {
@@ -165,6 +258,7 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, identity,
 		lease.Spec.HolderIdentity, lease.Spec.AcquireTime = &identity, &now
 	}
 	lease.Spec.RenewTime = &now
+	delete(lease.Annotations, LentByAnnotation)
 	if tookOver != "" {
 		if lease.Annotations == nil {
 			lease.Annotations = map[string]string{}
@@ -183,6 +277,7 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, identity,
 
 // Release frees the lock if identity holds it, and reports how long it was
 // held. Releasing a lock held by someone else (or nobody) changes nothing.
+// A borrower's release gives the lock back to its lender, never frees it.
 func (l *Lock) Release(ctx context.Context, identity string) (held time.Duration, released bool, err error) {
 	lease, err := l.get(ctx)
 	if err != nil || lease == nil {
@@ -191,6 +286,9 @@ func (l *Lock) Release(ctx context.Context, identity string) (held time.Duration
 	st := stateOf(lease)
 	if st.Holder != identity {
 		return 0, false, nil
+	}
+	if st.LentBy != "" {
+		return 0, true, l.writeLent(ctx, lease, st.LentBy, "")
 	}
 	if err := l.write(ctx, lease, "", ""); err != nil {
 		return 0, false, err

@@ -229,3 +229,102 @@ func TestTakeoverRules(t *testing.T) {
 		})
 	}
 }
+
+// An operation lends the lock to its Job in one write and takes it back
+// once the Job is done: in between nobody else can take it, not even when
+// the Job has finished, as long as the operation goes on.
+func TestLendToJob(t *testing.T) {
+	ctx := context.Background()
+	l := newLock(t)
+	ns := l.Namespace
+	var ids []string
+	for _, name := range []string{"lender", "other"} {
+		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+			Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI}}
+		if err := env.Client.Create(ctx, op); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, ichorv1.OperationIdentity(ns, name))
+	}
+	lender, other := ids[0], ids[1]
+	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "cilium"}, Spec: batchv1.JobSpec{
+		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
+	if err := env.Client.Create(ctx, job); err != nil {
+		t.Fatal(err)
+	}
+	borrower := ichorv1.JobIdentity(ns, job.Name)
+
+	if err := l.Lend(ctx, lender, borrower); err == nil {
+		t.Fatal("lent a lock the lender does not hold")
+	}
+	if res, err := l.Acquire(ctx, lender); err != nil || !res.Acquired {
+		t.Fatalf("acquire: %+v %v", res, err)
+	}
+	for range 2 { // lending again changes nothing
+		if err := l.Lend(ctx, lender, borrower); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, _ := l.Get(ctx)
+	if st.Holder != borrower || st.LentBy != lender || !st.Holds(lender) || !st.Holds(borrower) || st.Holds(other) {
+		t.Fatalf("after lending: %+v", st)
+	}
+	// The Job's init container finds it holds the lock; the lender still does.
+	for _, id := range []string{borrower, lender} {
+		if res, err := l.Acquire(ctx, id); err != nil || !res.Acquired {
+			t.Fatalf("%s acquire while lent: %+v %v", id, res, err)
+		}
+	}
+	if st2, _ := l.Get(ctx); st2.Holder != borrower {
+		t.Fatalf("the lender's acquire took the lock back from the running Job: %+v", st2)
+	}
+	// The Job finishes: it is stale, but the lender is not, so the lock stays.
+	now := metav1.Now()
+	job.Status.StartTime, job.Status.CompletionTime, job.Status.Succeeded = &now, &now, 1
+	job.Status.Conditions = []batchv1.JobCondition{
+		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}
+	if err := env.Client.Status().Update(ctx, job); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := l.Acquire(ctx, other); err != nil || res.Acquired {
+		t.Fatalf("another holder took a lent lock whose lender goes on: %+v %v", res, err)
+	}
+	if ok, err := l.Reclaim(ctx, other); err != nil || ok {
+		t.Fatalf("a holder that did not lend it reclaimed it: %v %v", ok, err)
+	}
+	if ok, err := l.Reclaim(ctx, lender); err != nil || !ok {
+		t.Fatalf("reclaim: %v %v", ok, err)
+	}
+	if st, _ := l.Get(ctx); st.Holder != lender || st.LentBy != "" {
+		t.Fatalf("after reclaiming: %+v", st)
+	}
+	// A borrower's release gives it back, never frees it.
+	if err := l.Lend(ctx, lender, borrower); err != nil {
+		t.Fatal(err)
+	}
+	if _, released, err := l.Release(ctx, borrower); err != nil || !released {
+		t.Fatalf("release by the borrower: %v %v", released, err)
+	}
+	if st, _ := l.Get(ctx); st.Holder != lender || st.LentBy != "" {
+		t.Fatalf("after the borrower's release: %+v", st)
+	}
+	// Once the lender is gone too, the finished Job's lock is taken over.
+	if err := l.Lend(ctx, lender, borrower); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Client.Delete(ctx, &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "lender"}}); err != nil {
+		t.Fatal(err)
+	}
+	res, err := l.Acquire(ctx, other)
+	if err != nil || !res.Acquired {
+		t.Fatalf("taking over from a finished Job whose lender is gone: %+v %v", res, err)
+	}
+	if want := borrower + " (finished; lent by " + lender + ", deleted)"; res.TookOver != want {
+		t.Fatalf("took over %q, want %q", res.TookOver, want)
+	}
+	if st, _ := l.Get(ctx); st.LentBy != "" {
+		t.Fatalf("the taker's lock still says it was lent: %+v", st)
+	}
+}
