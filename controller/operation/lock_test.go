@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -209,6 +210,51 @@ func TestDeleteWaitsForTheStep(t *testing.T) {
 	waitGone(t, c.ns, "upgrade")
 	if h := c.lockHolder(); h.Holder != "" {
 		t.Errorf("lock still held by %q", h.Holder)
+	}
+}
+
+// TestDeleteMidReboot: deleting an operation while its machine reboots
+// waits until the machine is back (the step settles), lifts the cordon the
+// operation made, and only then lets the lock go: the reboot waiting for it
+// never overlaps.
+func TestDeleteMidReboot(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+	comeBack := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultNoReturn})
+	c.start()
+	c.create("a-reboot", rebootSpec(w1))
+	c.waitFor("a-reboot", "to wait for "+w1+" to come back", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == "wait-rebooted" && c.fleet.Machine(w1).Down()
+	})
+	b := rebootSpec(w2)
+	b.MaxUnavailable = 2
+	c.create("b-reboot", b)
+	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Reason == ichorv1.ReasonClusterLockHeld
+	})
+	if err := env.Client.Delete(context.Background(), c.get("a-reboot")); err != nil {
+		t.Fatal(err)
+	}
+	c.waitFor("a-reboot", "to say it waits for the machine", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return strings.HasPrefix(op.Status.Message, "deleted: the steps in flight settle")
+	})
+	if h := c.lockHolder(); h.Holder != ichorv1.OperationIdentity(c.ns, "a-reboot") {
+		t.Fatalf("the lock was let go with %s still rebooting: holder %q", w1, h.Holder)
+	}
+	comeBack()
+	waitGone(t, c.ns, "a-reboot")
+	c.waitSucceeded("b-reboot", time.Minute)
+	node := &corev1.Node{}
+	if err := env.Client.Get(context.Background(), keyOfNode(w1), node); err != nil {
+		t.Fatal(err)
+	}
+	if node.Spec.Unschedulable || node.Annotations[executor.CordonedByAnnotation] != "" {
+		t.Errorf("%s stays cordoned by the deleted operation: unschedulable %v, %s=%q", w1, node.Spec.Unschedulable,
+			executor.CordonedByAnnotation, node.Annotations[executor.CordonedByAnnotation])
+	}
+	if o := c.fleet.Recorder().Overlaps(); len(o) > 0 {
+		t.Errorf("the reboots overlapped: %+v", o)
 	}
 }
 

@@ -2,7 +2,9 @@ package operation
 
 import (
 	"context"
+	"fmt"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -10,6 +12,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/plan"
 	"maesh.dev/ichor/controller/preflight"
@@ -196,6 +199,7 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 	for i := range st.Machines {
 		st.Machines[i].Stopped = false // resumed, or retried
 	}
+	t.skipHeld()
 	unavailable := map[string]bool{}
 	for i := range t.nodes {
 		n := &t.nodes[i]
@@ -210,6 +214,26 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 	t.why = why
 	t.canLaunch = true
 	return ctrl.Result{RequeueAfter: requeue}, nil
+}
+
+// skipHeld skips the machines that have not started and whose Node has
+// been put on hold since the operation started (before, plan did).
+func (t *turn) skipHeld() {
+	if !t.exec.HonourHold() {
+		return
+	}
+	st := &t.op.Status
+	for i := range st.Machines {
+		m := &st.Machines[i]
+		n := t.node(m.Name)
+		if m.Phase != ichorv1.MachinePending || n == nil {
+			continue
+		}
+		if held, why := plan.Held(plan.Machine{Annotations: n.Annotations}); held {
+			m.Phase, m.Message, m.FinishedAt = ichorv1.MachineSkipped, why, &t.now
+			t.event(corev1.EventTypeNormal, "MachineSkipped", "%s: %s", m.Name, why)
+		}
+	}
 }
 
 // reconcileOver is the turn of an operation that has ended: it lets go of
@@ -237,24 +261,84 @@ func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
 	return ctrl.Result{}, t.removeRetry(ctx)
 }
 
-// reconcileDelete lets a deleted operation go once the steps in flight have
-// settled, releasing the cluster lock.
+// reconcileDelete lets a deleted operation go once nothing of it is in
+// flight: its steps settle as after a failure (a machine mid-reboot comes
+// back first), then the cordons it made are lifted, and only then is the
+// cluster lock let go and the finalizer removed.
 func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 	op, r := t.persisted, t.r
 	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
 		return ctrl.Result{}, nil
 	}
-	if running := r.runner.running(op.UID); len(running) > 0 {
-		// The step's end wakes this reconcile again.
-		t.log.Info("operation deleted mid-step; waiting for the step to settle", "steps", strings.Join(running, ", "))
-		return ctrl.Result{}, nil
+	var result ctrl.Result
+	if !op.Settled() {
+		if _, err := t.prepare(ctx); err != nil {
+			return ctrl.Result{}, err
+		}
+		if t.exec != nil && t.talos != nil {
+			t.collect()
+			result = t.settle(ctx)
+		}
+		deriveStatus(t.op, t.now, "")
+		if err := t.write(ctx); err != nil {
+			return ctrl.Result{}, client.IgnoreNotFound(err)
+		}
+		t.launch(ctx)
+		if !t.op.Settled() {
+			// A step's end, a Node event or the requeue brings this back.
+			return result, nil
+		}
+	}
+	if err := t.uncordon(ctx); err != nil {
+		return ctrl.Result{}, err
 	}
 	if err := r.release(ctx, op); err != nil {
 		return ctrl.Result{}, err
 	}
 	r.runner.forget(op.UID)
 	r.superseded.Delete(op.UID)
-	op = op.DeepCopy()
+	op = t.op.DeepCopy()
 	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
 	return ctrl.Result{}, client.IgnoreNotFound(r.Client.Update(ctx, op))
+}
+
+// uncordon lifts the cordons the operation made (its identity marks them),
+// with its kind's own uncordon step: nothing else of it is rolled back.
+func (t *turn) uncordon(ctx context.Context) error {
+	if t.exec == nil {
+		t.exec = t.r.Executors[t.op.Spec.Kind]
+	}
+	if t.exec == nil {
+		return nil
+	}
+	if t.nodes == nil {
+		var nodes corev1.NodeList
+		if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
+			return fmt.Errorf("list nodes: %w", err)
+		}
+		t.nodes = nodes.Items
+	}
+	id := ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
+	for _, m := range t.op.Status.Machines {
+		n := t.node(m.Name)
+		if n == nil || n.Annotations[executor.CordonedByAnnotation] != id {
+			continue
+		}
+		step, ok := findStep(t.exec.Steps(t.op, &m), executor.StepUncordon)
+		if !ok || step.Run == nil {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, time.Minute)
+		_, err := step.Run(sctx, t.env(m))
+		cancel()
+		if err != nil {
+			return fmt.Errorf("lift the cordon of %s: %w", m.Name, err)
+		}
+		t.event(corev1.EventTypeNormal, "Uncordoned", "%s: cordon lifted (the operation was deleted)", m.Name)
+	}
+	for _, e := range t.events {
+		e()
+	}
+	t.events = nil
+	return nil
 }

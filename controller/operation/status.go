@@ -28,6 +28,9 @@ const (
 func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	st := &op.Status
 	st.Phase, st.Reason, st.Message = phaseOf(op, why)
+	if inFlight := st.InFlight(); !op.DeletionTimestamp.IsZero() && len(inFlight) > 0 {
+		st.Message = "deleted: the steps in flight settle before the cordons are lifted and the cluster lock is let go: " + strings.Join(inFlight, ", ")
+	}
 	if st.Phase != ichorv1.PhasePaused || st.Reason != ichorv1.ReasonClusterLockHeld {
 		st.LockHolder = ""
 		if st.Lock == ichorv1.LockWaiting {

@@ -184,3 +184,31 @@ func TestAlreadyOnTarget(t *testing.T) {
 		}
 	}
 }
+
+// TestHoldAfterStart: a hold annotation put on a machine after the
+// operation started skips it if its work has not begun (Skipped, with the
+// reason), and leaves it untouched.
+func TestHoldAfterStart(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 3))
+	w := func(i int) string { return c.fleet.Machines()[i].Name() }
+	release := c.fleet.Machine(w(1)).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Upgrade"})
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitFor("upgrade", "to hang in "+w(1)+"'s install", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w(1))
+		return m != nil && m.Step == "install"
+	})
+	c.patchNode(w(3), `{"metadata":{"annotations":{"ichor.maesh.dev/upgrade-hold":"a disk is replaced"}}}`)
+	release()
+	op := c.waitSucceeded("upgrade", time.Minute)
+	if m := entryOf(op, w(3)); m.Phase != ichorv1.MachineSkipped || m.Message != "held by annotation ichor.maesh.dev/upgrade-hold: a disk is replaced" || m.StartedAt != nil {
+		t.Errorf("%s: %s %q started %v; want Skipped with the hold's reason, never started", w(3), m.Phase, m.Message, m.StartedAt)
+	}
+	rec := c.fleet.Recorder()
+	if n := rec.Calls(w(3), "*"); n != 0 || c.fleet.Machine(w(3)).Version() != sim.DefaultTalos {
+		t.Errorf("%s was touched: %d Talos calls, runs %s", w(3), n, c.fleet.Machine(w(3)).Version())
+	}
+	if n := rec.UpgradesApplied(w(2)); n != 1 {
+		t.Errorf("%s: %d upgrades, want 1", w(2), n)
+	}
+}
