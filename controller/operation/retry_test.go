@@ -30,6 +30,7 @@ func TestFailureAndRetry(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 3))
 	w := func(i int) string { return c.fleet.Machines()[i].Name() }
 	c.fleet.Machine(w(2)).Inject(sim.Fault{Kind: sim.FaultError, Method: "Upgrade", Code: codes.Internal})
+	before := gather(t)
 	c.start()
 	c.create("upgrade", talosSpec("v1.13.7"))
 
@@ -91,16 +92,12 @@ func TestFailureAndRetry(t *testing.T) {
 		t.Errorf("%s attempts %d, want 2", w(2), m.Attempts)
 	}
 
-	// A retry request on an operation with nothing failed is removed, not kept for later.
+	// A retry request on an operation with nothing left to run is removed,
+	// not kept for later, and an Event says why.
 	c.kubectl("annotate", "talosoperation", "upgrade", ichorv1.RetryAnnotation+"=true")
-	found := false
-	for _, e := range c.events("upgrade") {
-		found = found || e.Reason == "Retrying"
-	}
-	if !found {
-		t.Errorf("no Retrying Event")
-	}
-	checkMetrics(t)
+	c.waitFor("upgrade", "to remove the retry request", time.Minute, func(op *ichorv1.TalosOperation) bool { return !op.RetryPending() })
+	waitEvent(t, c, "upgrade", corev1.EventTypeNormal, "RetryIgnored")
+	checkMetrics(t, before)
 }
 
 // TestRetryWithKubectlAnnotate is the specification's own recipe, with

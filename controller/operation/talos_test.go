@@ -120,7 +120,10 @@ func TestTalosUpgrade(t *testing.T) {
 				t.Errorf("control planes disrupted at once: %+v", cpOverlaps(c, overlaps))
 			}
 			// With a budget of two, the two labelled workers start together, first.
-			if first := order[3:5]; len(order) < 5 || !(first[0] == w(4) && first[1] == w(3) || first[0] == w(3) && first[1] == w(4)) {
+			if len(order) < 5 {
+				t.Fatalf("disruption order %v: want at least 5 disruptions", order)
+			}
+			if first := order[3:5]; !(first[0] == w(4) && first[1] == w(3) || first[0] == w(3) && first[1] == w(4)) {
 				t.Errorf("disruption order %v: the labelled workers %s and %s must go first", order, w(4), w(3))
 			}
 
