@@ -248,12 +248,16 @@ func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles rol
 		}
 		return nil, err
 	}
-	f.rec.handle(m.Name(), fullMethod)
+	at := time.Now()
 	resp, err := fn(callCtx)
 	if (err != nil || stream) && wentDown() {
-		return nil, unavailable(m.addr)
+		err = unavailable(m.addr)
 	}
-	return resp, err
+	f.rec.handle(m.Name(), fullMethod, at, err)
+	if err != nil {
+		return nil, err
+	}
+	return resp, nil
 }
 
 func (f *Fleet) unaryRouter(owner *Machine) grpc.UnaryServerInterceptor {

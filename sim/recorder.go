@@ -51,15 +51,21 @@ func (a Action) end() time.Time {
 type Overlap struct{ A, B Action }
 
 // Call is one call that reached a machine's handler: routed to a machine
-// that was up, past the role check and the error and hang faults. A call
-// that reached the handler is one the machine acted on (or refused on its
-// own terms), as opposed to one that never got there.
+// that was up, past the role check and the error and hang faults.
 type Call struct {
 	Machine string
 	// Method is "Service/Method", e.g. "MachineService/Reboot".
 	Method string
-	At     time.Time
+	// At is when it reached the handler.
+	At time.Time
+	// Err is what the handler answered: nil when the machine accepted the
+	// call (a Reboot, Reset or Upgrade whose sequence started), else why
+	// not, its caller gone before it was done among the reasons.
+	Err error
 }
+
+// Accepted says the machine accepted the call.
+func (c Call) Accepted() bool { return c.Err == nil }
 
 // Upgrade is an install that took effect at a boot: the machine came up on
 // Version.
@@ -140,17 +146,17 @@ func (r *Recorder) CallCounts() map[string]map[string]int {
 	return out
 }
 
-// handle records a call that reached machine's handler.
-func (r *Recorder) handle(machine, fullMethod string) {
+// handle records a call that reached machine's handler at at, and its answer.
+func (r *Recorder) handle(machine, fullMethod string, at time.Time, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.handled = append(r.handled, Call{Machine: machine, Method: shortMethod(fullMethod), At: time.Now()})
+	r.handled = append(r.handled, Call{Machine: machine, Method: shortMethod(fullMethod), At: at, Err: err})
 }
 
 // Handled returns the calls of method (matched as Calls matches it) that
 // reached machine's handler (every machine's when machine is empty), in the
-// order they arrived, with their times: what a test compares with the
-// steps that should have sent them.
+// order they were answered, with when they arrived and what they answered:
+// what a test compares with the steps that should have sent them.
 func (r *Recorder) Handled(machine, method string) []Call {
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -39,11 +39,18 @@ func TestRecorder(t *testing.T) {
 		t.Fatal("the error fault did not fire")
 	}
 	clearErr()
-	if h := rec.Handled(w1.Name(), "Version"); len(h) != 3 || h[0].Method != "MachineService/Version" || h[0].At.IsZero() || rec.Calls(w1.Name(), "Version") != 4 {
+	if h := rec.Handled(w1.Name(), "Version"); len(h) != 3 || h[0].Method != "MachineService/Version" || h[0].At.IsZero() || !h[0].Accepted() || rec.Calls(w1.Name(), "Version") != 4 {
 		t.Fatalf("handled %+v of %d calls; want the 3 that got through", h, rec.Calls(w1.Name(), "Version"))
 	}
 	if h := rec.Handled("", "Version"); len(h) != 4 {
 		t.Fatalf("handled on every machine %+v", h)
+	}
+	// A call the machine refuses on its own terms reached it, not accepted.
+	if _, err := c.ServiceRestart(on(w1), "nope"); err == nil {
+		t.Fatal("an unknown service restarted")
+	}
+	if h := rec.Handled(w1.Name(), "ServiceRestart"); len(h) != 1 || h[0].Accepted() {
+		t.Fatalf("handled %+v; want one refused ServiceRestart", h)
 	}
 
 	// Two workers down at once: seen, and their reboots overlap.

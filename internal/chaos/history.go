@@ -26,10 +26,19 @@ type History struct {
 	Calls    []sim.Call
 	Upgrades []sim.Upgrade
 	Lease    []LeaseChange
+	// Unhealthy are the times control planes' etcd members were made
+	// unhealthy (an etcd-unhealthy fault).
+	Unhealthy []Interval
 	// Ops holds each operation's versions in the order they were seen.
 	Ops map[string][]OpState
 	// End is set once faults are cleared and failures retried.
 	End *End
+}
+
+// Interval is a time a machine was in some state; To is zero while it lasts.
+type Interval struct {
+	Machine  string
+	From, To time.Time
 }
 
 // LeaseChange is a change of the cluster lock's holder.
@@ -211,7 +220,11 @@ func (tl *timeline) upTo(h *History, t time.Time, max int) string {
 		}
 	}
 	for _, c := range h.Calls {
-		evs = append(evs, event{At: c.At, What: fmt.Sprintf("sim: %s handles %s", c.Machine, c.Method)})
+		what := fmt.Sprintf("sim: %s accepts %s", c.Machine, c.Method)
+		if !c.Accepted() {
+			what = fmt.Sprintf("sim: %s answers %s with %v", c.Machine, c.Method, c.Err)
+		}
+		evs = append(evs, event{At: c.At, What: what})
 	}
 	for _, u := range h.Upgrades {
 		evs = append(evs, event{At: u.At, What: fmt.Sprintf("sim: %s boots %s", u.Machine, u.Version)})

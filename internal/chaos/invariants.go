@@ -31,11 +31,11 @@ type Invariant struct {
 // Invariants are the promises a campaign checks, continuously while a run
 // goes (those that need its end, at the end).
 var Invariants = []Invariant{
-	{"control-planes", "never two control planes disrupted at once", checkControlPlanes},
+	{"control-planes", "never two control planes disrupted at once (nor one while another's etcd member is unhealthy)", checkControlPlanes},
 	{"worker-budget", "never more workers down than the lock holder's maxUnavailable", checkWorkerBudget},
 	{"holders", "every disruption under the lock holder that works on the machine; never two holders' disruptions overlapping", checkHolders},
-	{"at-most-once", "every irreversible call at most once per step and attempt", checkAtMostOnce},
-	{"evidence", "a node action done only with its call sent: reboot, shutdown, reset", checkEvidence},
+	{"at-most-once", "every irreversible call accepted at most once per step and attempt", checkAtMostOnce},
+	{"evidence", "a node action done only once its call was accepted: reboot, shutdown, reset", checkEvidence},
 	{"installed-once", "every machine of a succeeded upgrade installed once", checkInstalledOnce},
 	{"stale-holder", "the lock never held by a settled or deleted operation once the controller has seen it", checkStaleHolder},
 	{"lost", "no operation lost, none left half-deleted, no Node left cordoned by an upgrade or reboot that is over", checkLost},
@@ -96,6 +96,14 @@ func (h *History) describe(a sim.Action) string {
 	return fmt.Sprintf("%s's %s (%s to %s)", a.Machine, a.Kind, h.rel(a.Start), end)
 }
 
+// etcdCheckMargin is how long before a control plane's disruptive call
+// another member must have been unhealthy for the call to be a violation:
+// an etcd health check right before the call sees it by then.
+const etcdCheckMargin = time.Second
+
+// checkControlPlanes: no two control planes out of service at once, and
+// none disrupted while another's etcd member is unhealthy (etcd would be
+// left with one healthy member of three).
 func checkControlPlanes(h *History) []Violation {
 	acts := disruptions(h, sim.ControlPlane)
 	var out []Violation
@@ -104,6 +112,11 @@ func checkControlPlanes(h *History) []Violation {
 			if a.Machine != b.Machine && a.Start.Before(h.end(b)) && b.Start.Before(h.end(a)) {
 				out = append(out, Violation{At: later(a.Start, b.Start),
 					What: fmt.Sprintf("%s and %s: two control planes out of service at once", h.describe(a), h.describe(b))})
+			}
+		}
+		for _, u := range h.Unhealthy {
+			if u.Machine != a.Machine && !u.From.After(a.Start.Add(-etcdCheckMargin)) && (u.To.IsZero() || u.To.After(a.Start)) {
+				out = append(out, Violation{At: a.Start, What: fmt.Sprintf("%s started while %s's etcd member was unhealthy (since %s)", h.describe(a), u.Machine, h.rel(u.From))})
 			}
 		}
 	}
@@ -158,8 +171,9 @@ func checkHolders(h *History) []Violation {
 	return out
 }
 
-// irreversible are the calls that must reach a machine at most once per
-// step and attempt.
+// irreversible are the calls a machine may accept at most once per step and
+// attempt. One that did not take (refused, or its caller gone before the
+// machine acted) may be sent again.
 var irreversible = []string{"MachineService/Reboot", "MachineService/Upgrade", "MachineService/Reset", "MachineService/Shutdown"}
 
 func checkAtMostOnce(h *History) []Violation {
@@ -167,7 +181,7 @@ func checkAtMostOnce(h *History) []Violation {
 	count := map[key]int{}
 	var out []Violation
 	for _, c := range h.Calls {
-		if !slices.Contains(irreversible, c.Method) {
+		if !slices.Contains(irreversible, c.Method) || !c.Accepted() {
 			continue
 		}
 		holder := h.holderAt(c.At)
@@ -181,8 +195,8 @@ func checkAtMostOnce(h *History) []Violation {
 			allowed += h.attempts(op, c.Machine)
 		}
 		if int32(count[k]) > allowed {
-			out = append(out, Violation{At: c.At, What: fmt.Sprintf("%s reached %s %d times under %s, which ran it in %d attempt(s)",
-				c.Method, c.Machine, count[k], holder, allowed)})
+			out = append(out, Violation{At: c.At, What: fmt.Sprintf("%s accepted %s %d times under %s, which ran it in %d attempt(s)",
+				c.Machine, c.Method, count[k], holder, allowed)})
 		}
 	}
 	return out
@@ -201,12 +215,12 @@ func checkEvidence(h *History) []Violation {
 		}
 		sent := false
 		for _, c := range h.Calls {
-			if c.Machine == o.Machine && c.Method == method && slices.Contains(h.opsOf(h.holderAt(c.At)), name) {
+			if c.Machine == o.Machine && c.Method == method && c.Accepted() && slices.Contains(h.opsOf(h.holderAt(c.At)), name) {
 				sent = true
 			}
 		}
 		if !sent {
-			out = append(out, Violation{At: firstSettled(h, name), What: fmt.Sprintf("%s succeeded, but no %s reached %s while it held the lock", name, method, o.Machine)})
+			out = append(out, Violation{At: firstSettled(h, name), What: fmt.Sprintf("%s succeeded, but %s accepted no %s while it held the lock", name, o.Machine, method)})
 		}
 	}
 	return out

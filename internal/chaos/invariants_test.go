@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"errors"
 	"slices"
 	"strings"
 	"testing"
@@ -146,6 +147,16 @@ func TestInvariants(t *testing.T) {
 			[]string{"control-planes"}, "two control planes",
 		},
 		{
+			// Item 9: etcd health checked before a drain, not right before the reboot.
+			"a control plane disrupted while another's etcd member is unhealthy",
+			func() *History {
+				w := newWorld().upgrade("a", 1, 0, "cp-1").lock(0, opID("a")).act("cp-1", sim.ActionReboot, 3000, 3500)
+				w.h.Unhealthy = []Interval{{Machine: "cp-2", From: ms(1000), To: ms(5000)}, {Machine: "cp-3", From: ms(2900)}}
+				return w.h
+			}(),
+			[]string{"control-planes"}, "cp-2's etcd member was unhealthy (since t+1.000s)",
+		},
+		{
 			// Item 7: an operator's cordon counted as "already down" lets a
 			// second worker go down under maxUnavailable 1.
 			"more workers down than maxUnavailable",
@@ -172,13 +183,26 @@ func TestInvariants(t *testing.T) {
 			newWorld().node("reset", "reset", "w-1", 3000).lock(0, opID("reset")).
 				call("w-1", "MachineService/Reset", 100).act("w-1", sim.ActionReset, 100, 2000).downAt(150).
 				call("w-1", "MachineService/Reset", 2500).lock(3001, "").h,
-			[]string{"at-most-once"}, "2 times under " + opID("reset") + ", which ran it in 1 attempt(s)",
+			[]string{"at-most-once"}, "w-1 accepted MachineService/Reset 2 times under " + opID("reset") + ", which ran it in 1 attempt(s)",
+		},
+		{
+			// A call cut off before the machine acted (the controller was
+			// killed mid-call) may be sent again: only accepted ones count.
+			"a legacy upgrade sent again after the first did not take",
+			func() *History {
+				w := newWorld().upgrade("a", 1, 3000, "w-1").lock(0, opID("a")).
+					call("w-1", "MachineService/Upgrade", 100).call("w-1", "MachineService/Upgrade", 200).
+					act("w-1", sim.ActionUpgrade, 200, 500).booted("w-1", "v1.13.7", 500).lock(3001, "")
+				w.h.Calls[0].Err = errors.New("rpc error: code = Canceled desc = context canceled")
+				return w.h
+			}(),
+			nil, "",
 		},
 		{
 			// Item 11: an unreachable machine's reset "succeeded".
 			"a reset done without a Reset",
 			newWorld().node("reset", "reset", "w-1", 3000).lock(0, opID("reset")).lock(3001, "").ended("").h,
-			[]string{"evidence"}, "no MachineService/Reset reached w-1",
+			[]string{"evidence"}, "w-1 accepted no MachineService/Reset",
 		},
 		{
 			"an upgrade installed twice",

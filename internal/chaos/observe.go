@@ -8,6 +8,7 @@ import (
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
@@ -17,6 +18,9 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/sim"
 )
 
 // observer watches what the invariants judge besides the simulator: every
@@ -73,6 +77,42 @@ func (o *observer) watchOps(ctx context.Context, c client.WithWatch, ns string) 
 	return o.follow(ctx, list.ResourceVersion, lw, func(ev watch.Event) {
 		if op, ok := ev.Object.(*ichorv1.TalosOperation); ok {
 			o.op(op, ev.Type == watch.Deleted)
+		}
+	})
+}
+
+// watchNodes follows the fleet's Nodes for the timeline: Ready, cordons
+// (and whose), holds.
+func (o *observer) watchNodes(ctx context.Context, kube kubernetes.Interface, fleet string) error {
+	nodes := kube.CoreV1().Nodes()
+	opts := metav1.ListOptions{LabelSelector: sim.FleetLabel + "=" + fleet}
+	list, err := nodes.List(ctx, opts)
+	if err != nil {
+		return fmt.Errorf("list nodes: %w", err)
+	}
+	seen := map[string]string{}
+	lw := &cache.ListWatch{WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+		o.LabelSelector = opts.LabelSelector
+		return nodes.Watch(ctx, o)
+	}}
+	return o.follow(ctx, list.ResourceVersion, lw, func(ev watch.Event) {
+		n, ok := ev.Object.(*corev1.Node)
+		if !ok {
+			return
+		}
+		state := fmt.Sprintf("ready=%v unschedulable=%v", machine.Ready(n), n.Spec.Unschedulable)
+		if by := n.Annotations[executor.CordonedByAnnotation]; by != "" {
+			state += " cordoned-by=" + by
+		}
+		if _, held := n.Annotations[ichorv1.UpgradeHoldAnnotation]; held {
+			state += " held"
+		}
+		if ev.Type == watch.Deleted {
+			state = "deleted"
+		}
+		if seen[n.Name] != state {
+			seen[n.Name] = state
+			o.tl.add(time.Now(), "node %s: %s", n.Name, state)
 		}
 	})
 }

@@ -14,10 +14,10 @@ func TestReport(t *testing.T) {
 	broken := Result{Seed: 42, Kills: 12, GapKills: 8, Lost: 1, LeaderChanges: 13, Faults: 5, OperatorActions: 7, Jobs: 2,
 		Operations: 3, Succeeded: 3, Start: start, Took: 40 * time.Second,
 		Violations: []Violation{{Invariant: "at-most-once", At: start.Add(27479 * time.Millisecond),
-			What: "MachineService/Reset reached chaos-cp-1 2 times under ichor-controller/machine/chaos-cp-1, which ran it in 1 attempt(s)"}},
-		Histories: []string{"  t+23.638s   sim: chaos-cp-1 handles MachineService/Reset\n" +
+			What: "chaos-cp-1 accepted MachineService/Reset 2 times under ichor-controller/machine/chaos-cp-1, which ran it in 1 attempt(s)"}},
+		Histories: []string{"  t+23.638s   sim: chaos-cp-1 accepts MachineService/Reset\n" +
 			"  t+23.644s   KILL replica 10 after reset-2's reset on chaos-cp-1 (attempt 1) returned ok, before status records it\n" +
-			"  t+27.479s   sim: chaos-cp-1 handles MachineService/Reset"},
+			"  t+27.479s   sim: chaos-cp-1 accepts MachineService/Reset"},
 	}
 	r := Report{Seed: 41, Params: Params{Span: 12 * time.Second, Kills: 3, Faults: 6, OperatorActions: 6}, Runs: []Result{clean}}
 	golden(t, "report-clean.golden", r.String())

@@ -23,6 +23,7 @@ import (
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lockcmd"
+	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
@@ -77,7 +78,8 @@ const groupLabel = "chaos.ichor.maesh.dev/group"
 // Spec is the fleet of every run: three control planes and four workers,
 // half on Talos 1.12 (the legacy upgrade, which reboots by itself) and
 // half on 1.13 (install, then reboot), and a fourth control plane that
-// joins during the run. Durations are short but long enough to overlap.
+// joins during the run. Durations are short but long enough to overlap; a
+// drain waits a second for the workload's pod to go.
 func Spec() sim.Spec {
 	spec := sim.Cluster("chaos", 4, 4)
 	for i := range spec.Machines {
@@ -89,7 +91,7 @@ func Spec() sim.Spec {
 	joiner.Joins, joiner.Talos = true, target
 	spec.Durations = sim.Durations{
 		Stop: 30 * time.Millisecond, Reboot: 200 * time.Millisecond, Install: 30 * time.Millisecond,
-		ImagePull: 10 * time.Millisecond, PodGrace: 50 * time.Millisecond, NodeReady: 500 * time.Millisecond,
+		ImagePull: 10 * time.Millisecond, PodGrace: time.Second, NodeReady: 500 * time.Millisecond,
 		DrainTimeout: 5 * time.Second,
 	}
 	return spec
@@ -137,17 +139,18 @@ type run struct {
 	obs        *observer
 	ctx        context.Context
 
-	mu       sync.Mutex
-	replicas []*replica
-	gapsDone map[string]bool
-	created  []string
-	deleted  map[string]bool
-	cordoned map[string]bool
-	res      Result
-	found    []Violation
-	seen     map[string]bool
-	jobs     sync.WaitGroup
-	rotation int
+	mu        sync.Mutex
+	replicas  []*replica
+	gapsDone  map[string]bool
+	created   []string
+	deleted   map[string]bool
+	cordoned  map[string]bool
+	res       Result
+	unhealthy []Interval
+	seen      map[string]bool
+	jobs      sync.WaitGroup
+	rotation  int
+	workloads int
 }
 
 type replica struct {
@@ -227,6 +230,9 @@ func (r *run) setUp() {
 	if err := r.obs.watchOps(r.ctx, wc, r.ns); err != nil {
 		t.Fatal(err)
 	}
+	if err := r.obs.watchNodes(r.ctx, env.Kube, spec.Name); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // keepReplicas keeps two replicas alive: a killed one, or one that lost
@@ -256,14 +262,17 @@ func (r *run) keepReplicas() {
 func (r *run) startReplica() {
 	r.mu.Lock()
 	rep := &replica{id: len(r.replicas) + 1}
-	r.replicas = append(r.replicas, rep)
 	r.mu.Unlock()
 	o := app.Options{
 		Namespace: r.ctrlNS, LeaderElection: true,
 		LeaseDuration: 2 * time.Second, RenewDeadline: 1500 * time.Millisecond, RetryPeriod: 200 * time.Millisecond,
 		TestHookAfterRun: func(s operation.StepRun) { r.afterRun(rep, s) },
 	}
-	rep.ctl = testcluster.StartKillable(r.t, r.env.Config, o)
+	ctl := testcluster.StartKillable(r.t, r.env.Config, o)
+	r.mu.Lock()
+	rep.ctl = ctl
+	r.replicas = append(r.replicas, rep)
+	r.mu.Unlock()
 	r.tl.add(time.Now(), "replica %d started", rep.id)
 }
 
@@ -300,10 +309,11 @@ func (r *run) kill(rep *replica, why string) bool {
 	if rep.killed.Swap(true) {
 		return false
 	}
-	rep.ctl.Kill()
 	r.mu.Lock()
+	ctl := rep.ctl
 	r.res.Kills++
 	r.mu.Unlock()
+	ctl.Kill()
 	r.tl.add(time.Now(), "KILL replica %d %s", rep.id, why)
 	return true
 }
@@ -330,12 +340,14 @@ func (r *run) leader() *replica {
 	return live[r.rng.IntN(len(live))]
 }
 
-// waitUntil keeps the replicas up and checks the invariants until t.
+// waitUntil keeps the replicas and the workload up and checks the
+// invariants until t.
 func (r *run) waitUntil(t time.Time) {
 	lastCheck := time.Now()
 	for {
 		r.keepReplicas()
-		if time.Since(lastCheck) > time.Second {
+		if time.Since(lastCheck) > 500*time.Millisecond {
+			r.workload()
 			r.check()
 			lastCheck = time.Now()
 		}
@@ -344,6 +356,40 @@ func (r *run) waitUntil(t time.Time) {
 			return
 		}
 		time.Sleep(min(left, 50*time.Millisecond))
+	}
+}
+
+// workload keeps a pod on every machine that is Ready and schedulable, as
+// a ReplicaSet and the scheduler would, so that every drain has a pod to
+// evict and waits for its grace period (Durations.PodGrace).
+func (r *run) workload() {
+	ctx := r.ctx
+	var pods corev1.PodList
+	var nodes corev1.NodeList
+	if r.env.Client.List(ctx, &pods, client.InNamespace(r.ns)) != nil || r.env.Client.List(ctx, &nodes) != nil {
+		return
+	}
+	has := map[string]bool{}
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp.IsZero() {
+			has[p.Spec.NodeName] = true
+		}
+	}
+	for _, n := range nodes.Items {
+		if has[n.Name] || n.Spec.Unschedulable || !machine.Ready(&n) {
+			continue
+		}
+		r.workloads++
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: r.ns, Name: fmt.Sprintf("work-%d", r.workloads),
+				OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "ReplicaSet", Name: "work", UID: "chaos-work", Controller: ptr.To(true)}}},
+			Spec: corev1.PodSpec{
+				NodeName: n.Name, TerminationGracePeriodSeconds: ptr.To[int64](30),
+				Tolerations: []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
+				Containers:  []corev1.Container{{Name: "work", Image: "registry.example/work:1"}},
+			},
+		}
+		_ = r.env.Client.Create(ctx, pod)
 	}
 }
 
@@ -379,6 +425,9 @@ func (r *run) history() *History {
 	}
 	h.Upgrades = rec.Upgrades("")
 	r.obs.snapshot(h)
+	r.mu.Lock()
+	h.Unhealthy = append([]Interval(nil), r.unhealthy...)
+	r.mu.Unlock()
 	h.Now = time.Now()
 	return h
 }
@@ -524,12 +573,27 @@ func (r *run) inject(a Action) error {
 	}
 	r.mu.Lock()
 	r.res.Faults++
+	unhealthy := -1
+	if a.Fault == string(sim.FaultEtcdUnhealthy) {
+		unhealthy = len(r.unhealthy)
+		r.unhealthy = append(r.unhealthy, Interval{Machine: a.Machine, From: time.Now()})
+	}
 	r.mu.Unlock()
 	time.AfterFunc(a.For, func() {
 		clear()
+		r.healed(unhealthy)
 		r.tl.add(time.Now(), "fault %s cleared on %s", a.Fault, a.Machine)
 	})
 	return nil
+}
+
+// healed ends the unhealthy interval i (none when i < 0).
+func (r *run) healed(i int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if i >= 0 && r.unhealthy[i].To.IsZero() {
+		r.unhealthy[i].To = time.Now()
+	}
 }
 
 // rotate changes the talosconfig Secret: a label only (a new
@@ -646,6 +710,9 @@ func (r *run) settle() {
 	for time.Now().Before(deadline) {
 		for _, m := range r.fleet.Machines() {
 			m.ClearFaults()
+		}
+		for i := range r.unhealthy {
+			r.healed(i)
 		}
 		busy := r.settleOps()
 		r.mu.Lock()

@@ -106,7 +106,9 @@ func (c *switchedConn) Close() error {
 // StartKillable is StartController with every connection of the controller
 // (the API server's and the Talos API's) through a Switch, so that Kill
 // kills it as SIGKILL would: it stops at once, mid-step if it was in one,
-// without releasing its leader Lease or anything else.
+// without releasing its leader Lease or anything else. A controller that
+// stops by itself (it lost its leader election) is cut as soon as it has,
+// as the binary exits then: steps still in flight send nothing more.
 func StartKillable(t testing.TB, cfg *rest.Config, o app.Options) *Controller {
 	t.Helper()
 	sw := NewSwitch()
@@ -115,6 +117,10 @@ func StartKillable(t testing.TB, cfg *rest.Config, o app.Options) *Controller {
 	o.TalosDialer = sw.DialTalos
 	c := StartController(t, cfg, o)
 	c.sw = sw
+	go func() {
+		<-c.exited
+		sw.Cut()
+	}()
 	return c
 }
 
