@@ -222,7 +222,13 @@ func opState(op *ichorv1.TalosOperation) OpState {
 }
 
 func (s OpState) summary() string {
-	return fmt.Sprintf("%s %s %s", orDash(s.Phase), s.Reason, s.FailureReason)
+	parts := []string{orDash(s.Phase)}
+	for _, p := range []string{s.Reason, s.FailureReason} {
+		if p != "" {
+			parts = append(parts, p)
+		}
+	}
+	return strings.Join(parts, " ")
 }
 
 // diff says what changed from s to n, for the timeline.
