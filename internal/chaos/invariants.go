@@ -17,6 +17,27 @@ type Violation struct {
 	// At is when it broke: the history up to there led to it.
 	At   time.Time
 	What string
+	// Key tells the violation apart across checks of a growing history,
+	// when What changes with it (an action still going ends); empty means
+	// What does.
+	Key string
+}
+
+// key is what tells v apart.
+func (v Violation) key() string {
+	if v.Key != "" {
+		return v.Invariant + "\x00" + v.Key
+	}
+	return v.Invariant + "\x00" + v.What
+}
+
+// actKey names a disruption whatever becomes of it.
+func actKey(acts ...sim.Action) string {
+	var b strings.Builder
+	for _, a := range acts {
+		fmt.Fprintf(&b, "%s/%s/%d ", a.Machine, a.Kind, a.Start.UnixNano())
+	}
+	return b.String()
 }
 
 // Invariant is one promise the controller keeps under every interleaving,
@@ -50,7 +71,7 @@ func Check(h *History) []Violation {
 	for _, inv := range Invariants {
 		for _, v := range inv.Check(h) {
 			v.Invariant = inv.Name
-			if key := v.Invariant + "\x00" + v.What; !seen[key] {
+			if key := v.key(); !seen[key] {
 				seen[key] = true
 				out = append(out, v)
 			}
@@ -110,13 +131,14 @@ func checkControlPlanes(h *History) []Violation {
 	for i, a := range acts {
 		for _, b := range acts[i+1:] {
 			if a.Machine != b.Machine && a.Start.Before(h.end(b)) && b.Start.Before(h.end(a)) {
-				out = append(out, Violation{At: later(a.Start, b.Start),
+				out = append(out, Violation{At: later(a.Start, b.Start), Key: actKey(a, b),
 					What: fmt.Sprintf("%s and %s: two control planes out of service at once", h.describe(a), h.describe(b))})
 			}
 		}
 		for _, u := range h.Unhealthy {
 			if u.Machine != a.Machine && !u.From.After(a.Start.Add(-etcdCheckMargin)) && (u.To.IsZero() || u.To.After(a.Start)) {
-				out = append(out, Violation{At: a.Start, What: fmt.Sprintf("%s started while %s's etcd member was unhealthy (since %s)", h.describe(a), u.Machine, h.rel(u.From))})
+				out = append(out, Violation{At: a.Start, Key: actKey(a) + u.Machine,
+					What: fmt.Sprintf("%s started while %s's etcd member was unhealthy (since %s)", h.describe(a), u.Machine, h.rel(u.From))})
 			}
 		}
 	}
@@ -141,7 +163,7 @@ func checkWorkerBudget(h *History) []Violation {
 			}
 		}
 		if budget > 0 && len(down) > budget {
-			out = append(out, Violation{At: w.Start, What: fmt.Sprintf("%s made %d workers out of service (%s) while %s, with maxUnavailable %d, held the lock",
+			out = append(out, Violation{At: w.Start, Key: actKey(w), What: fmt.Sprintf("%s made %d workers out of service (%s) while %s, with maxUnavailable %d, held the lock",
 				h.describe(w), len(down), strings.Join(sortedKeys(down), ", "), holder, budget)})
 		}
 	}
@@ -154,16 +176,16 @@ func checkHolders(h *History) []Violation {
 	for _, a := range acts {
 		switch holder := h.holderAt(a.Start); {
 		case holder == "":
-			out = append(out, Violation{At: a.Start, What: h.describe(a) + " started while nobody held the cluster lock"})
+			out = append(out, Violation{At: a.Start, Key: actKey(a), What: h.describe(a) + " started while nobody held the cluster lock"})
 		case !h.owns(holder, a.Machine):
-			out = append(out, Violation{At: a.Start, What: fmt.Sprintf("%s started while %s held the cluster lock, and it does not work on %s", h.describe(a), holder, a.Machine)})
+			out = append(out, Violation{At: a.Start, Key: actKey(a), What: fmt.Sprintf("%s started while %s held the cluster lock, and it does not work on %s", h.describe(a), holder, a.Machine)})
 		}
 	}
 	for i, a := range acts {
 		for _, b := range acts[i+1:] {
 			ha, hb := h.holderAt(a.Start), h.holderAt(b.Start)
 			if a.Machine != b.Machine && ha != hb && a.Start.Before(h.worked(b)) && b.Start.Before(h.worked(a)) {
-				out = append(out, Violation{At: later(a.Start, b.Start),
+				out = append(out, Violation{At: later(a.Start, b.Start), Key: actKey(a, b),
 					What: fmt.Sprintf("%s under %s and %s under %s overlap", h.describe(a), orNobody(ha), h.describe(b), orNobody(hb))})
 			}
 		}

@@ -279,3 +279,19 @@ func TestHolderAt(t *testing.T) {
 		}
 	}
 }
+
+// TestViolationKey: a violation keeps its key while the history grows (the
+// action it names ends), so a run reports it once, with its fuller text.
+func TestViolationKey(t *testing.T) {
+	w := newWorld().upgrade("a", 1, 0, "w-1").act("w-1", sim.ActionReboot, 100, 0)
+	w.h.Now = ms(200)
+	before := Check(w.h)
+	w.h.Actions[0].End, w.h.Now = ms(500), ms(600)
+	after := Check(w.h)
+	if len(before) != 1 || len(after) != 1 {
+		t.Fatalf("violations %+v then %+v", before, after)
+	}
+	if before[0].What == after[0].What || before[0].key() != after[0].key() {
+		t.Errorf("%q (%q) then %q (%q): want one key, a fuller text", before[0].What, before[0].key(), after[0].What, after[0].key())
+	}
+}

@@ -86,7 +86,7 @@ type run struct {
 	cordoned  map[string]bool
 	res       Result
 	unhealthy []Interval
-	seen      map[string]bool
+	seen      map[string]int // violation key -> index in res.Violations
 	jobs      sync.WaitGroup
 	rotation  int
 	workloads int
@@ -107,7 +107,7 @@ func Execute(t *testing.T, env *testenv.Env, cfg Config) Result {
 		t: t, env: env, cfg: cfg, ctx: ctx,
 		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5eed)),
 		tl:       &timeline{},
-		gapsDone: map[string]bool{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, seen: map[string]bool{},
+		gapsDone: map[string]bool{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, seen: map[string]int{},
 		roles: map[string]sim.Role{},
 	}
 	r.res.Seed = cfg.Seed
@@ -342,11 +342,11 @@ func (r *run) record(vs []Violation, h *History) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, v := range vs {
-		key := v.Invariant + "\x00" + v.What
-		if r.seen[key] {
+		if i, ok := r.seen[v.key()]; ok {
+			r.res.Violations[i].What = v.What // what it says now is the fuller
 			continue
 		}
-		r.seen[key] = true
+		r.seen[v.key()] = len(r.res.Violations)
 		r.res.Violations = append(r.res.Violations, v)
 		r.res.Histories = append(r.res.Histories, r.tl.upTo(h, v.At.Add(200*time.Millisecond), 250))
 	}
