@@ -25,6 +25,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/healthz"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
 	metricsserver "sigs.k8s.io/controller-runtime/pkg/metrics/server"
 
 	"maesh.dev/ichor/api/compat"
@@ -114,9 +115,17 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	}
 	lk := &lock.Lock{Client: mgr.GetClient(), Namespace: o.Namespace,
 		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
+	conn := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, Dialer: o.TalosDialer}
+	// The Talos client closes with the manager, once the steps using it end.
+	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
+		<-ctx.Done()
+		return conn.Close()
+	})); err != nil {
+		return nil, err
+	}
 	r := &operation.Reconciler{
 		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
-		Lock: lk, Talos: &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, Dialer: o.TalosDialer},
+		Lock: lk, Talos: conn,
 		Compat: table, Executors: o.Executors, StepTimeout: o.StepTimeout,
 		Log: o.Log.WithName("operation"), TestHookAfterRun: o.TestHookAfterRun,
 	}

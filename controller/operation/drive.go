@@ -205,7 +205,7 @@ func (t *turn) launch(ctx context.Context) {
 		}
 		env := t.env(m)
 		env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-		t.r.runner.launch(op, k, step, m.Attempts, timeout, env)
+		t.r.runner.launch(op, k, step, m.Attempts, timeout, env, t.talos.Another())
 	}
 }
 

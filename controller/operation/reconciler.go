@@ -84,6 +84,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	ctx = logr.NewContext(ctx, log)
 	r.runner.settle(op)
 	t := r.newTurn(op, log)
+	defer t.releaseTalos()
 	switch {
 	case !op.DeletionTimestamp.IsZero():
 		return t.reconcileDelete(ctx)

@@ -153,3 +153,67 @@ func TestTalosconfigMissing(t *testing.T) {
 		t.Errorf("no Events recorded")
 	}
 }
+
+// TestTalosconfigChangeKeepsStepsInFlight: a change of the talosconfig
+// Secret never breaks a step in flight. A change that keeps the talosconfig
+// (a label, a refresh that writes the same data) keeps the client; a new
+// talosconfig (a rotated client certificate) gives the steps that start
+// next a new client, while the step in flight finishes on the old one.
+func TestTalosconfigChangeKeepsStepsInFlight(t *testing.T) {
+	spec := sim.Cluster("", 1, 0)
+	spec.Machines[0].Talos = "v1.13.2"
+	c := newCluster(t, spec)
+	m := c.fleet.Machines()[0]
+	// The pull hangs until cleared: the install step is in flight meanwhile.
+	clear := m.Inject(sim.Fault{Kind: sim.FaultHang, Method: "ImageService/Pull"})
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	testenv.Eventually(t, time.Minute, "the installer pull to be in flight", func(context.Context) (bool, error) {
+		return c.fleet.Recorder().Calls(m.Name(), "ImageService/Pull") == 1, nil
+	})
+
+	key := client.ObjectKey{Namespace: c.ctrlNS, Name: ichorv1.TalosconfigSecret}
+	secret := &corev1.Secret{}
+	if err := env.Client.Get(context.Background(), key, secret); err != nil {
+		t.Fatal(err)
+	}
+	original := secret.Data[ichorv1.TalosconfigKey]
+	// write stores data (and labels) in the Secret and waits until the
+	// controller has read it: an unusable talosconfig shows as a condition,
+	// a usable one lifts it.
+	write := func(data []byte, labels map[string]string, usable bool) {
+		t.Helper()
+		s := &corev1.Secret{}
+		if err := env.Client.Get(context.Background(), key, s); err != nil {
+			t.Fatal(err)
+		}
+		s.Data[ichorv1.TalosconfigKey], s.Labels = data, labels
+		if err := env.Client.Update(context.Background(), s); err != nil {
+			t.Fatal(err)
+		}
+		c.waitFor("upgrade", fmt.Sprintf("to see the Secret (usable %v)", usable), time.Minute, func(op *ichorv1.TalosOperation) bool {
+			return (meta.FindStatusCondition(op.Status.Conditions, "TalosAPIReady") == nil) == usable
+		})
+	}
+	unusable := []byte("context: nope\ncontexts: {nope: {endpoints: []}}\n")
+	// The same talosconfig under a new resourceVersion, with a label.
+	write(unusable, nil, false)
+	write(original, map[string]string{"refreshed": "yes"}, true)
+	// A new talosconfig: another admin certificate for the same fleet.
+	rotated, err := c.fleet.Talosconfig().Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	write(unusable, nil, false)
+	write(rotated, nil, true)
+
+	clear()
+	c.waitSucceeded("upgrade", time.Minute)
+	rec := c.fleet.Recorder()
+	if n := rec.Calls(m.Name(), "ImageService/Pull"); n != 1 {
+		t.Errorf("the installer was pulled %d times, want once", n)
+	}
+	if n := rec.UpgradesApplied(m.Name()); n != 1 || m.Version() != "v1.13.7" {
+		t.Errorf("%s: %d upgrades applied, on %s", m.Name(), n, m.Version())
+	}
+}

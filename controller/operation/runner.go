@@ -10,6 +10,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/talos"
 )
 
 // runner runs the Run steps of machines outside the reconcile loop and keeps
@@ -115,14 +116,17 @@ func (r *runner) running(op types.UID) []string {
 	return out
 }
 
-// launch runs step in a goroutine and wakes the operation's reconcile when it ends.
-func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env) bool {
+// launch runs step in a goroutine and wakes the operation's reconcile when
+// it ends. The step holds talos, its hold on the Talos client, until then.
+func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env, talos *talos.Use) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.base == nil || r.base.Err() != nil {
+		talos.Release()
 		return false
 	}
 	if _, ok := r.jobs[k]; ok {
+		talos.Release()
 		return false
 	}
 	ctx, cancel := context.WithTimeout(r.base, timeout)
@@ -133,6 +137,7 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 	go func() {
 		defer r.wg.Done()
 		defer cancel()
+		defer talos.Release()
 		start := r.now()
 		env.Log.V(1).Info("step started")
 		out, err := step.Run(ctx, env)

@@ -13,8 +13,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
-	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
-
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
@@ -49,8 +47,9 @@ type turn struct {
 	// byName and cps index nodes; node and controlPlanes build them on first use.
 	byName map[string]*corev1.Node
 	cps    []string
-	// talos is the Talos API client, set by prepare once a talosconfig is usable.
-	talos *talosclient.Client
+	// talos is the turn's hold on the Talos API client, set by prepare once
+	// a talosconfig is usable; the steps it launches take holds of their own.
+	talos *talos.Use
 
 	// why says why the operation cannot move on right now, when no status
 	// field says it (the lock's holder and since when, the budget): the
@@ -108,7 +107,7 @@ func (t *turn) prepare(ctx context.Context) (bool, error) {
 			return true, nil
 		}
 	}
-	tc, err := t.r.Talos.Client(ctx)
+	tc, err := t.r.Talos.Use(ctx)
 	var cfgErr *talos.ConfigError
 	if errors.As(err, &cfgErr) {
 		meta.SetStatusCondition(&op.Status.Conditions, metav1.Condition{Type: ConditionTalosAPI, Status: metav1.ConditionFalse,
@@ -197,6 +196,13 @@ func (t *turn) controlPlanes() []string {
 	return t.cps
 }
 
+// releaseTalos lets go of the turn's hold on the Talos client.
+func (t *turn) releaseTalos() {
+	if t.talos != nil {
+		t.talos.Release()
+	}
+}
+
 func (t *turn) key(name string) machineKey { return machineKey{op: t.persisted.UID, machine: name} }
 
 func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
@@ -205,9 +211,13 @@ func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
 	if n != nil {
 		addr = machine.Address(n)
 	}
-	return &executor.Env{
+	e := &executor.Env{
 		Op: t.persisted, Machine: m, Node: n, Address: addr, ControlPlanes: t.controlPlanes(),
-		Talos: t.talos, Kube: t.r.Client, Clientset: t.r.Clientset,
+		Kube: t.r.Client, Clientset: t.r.Clientset,
 		Identity: ichorv1.OperationIdentity(t.op.Namespace, t.op.Name), Log: t.log,
 	}
+	if t.talos != nil {
+		e.Talos = t.talos.Client
+	}
+	return e
 }

@@ -5,6 +5,7 @@
 package talos
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -33,8 +34,11 @@ type ConfigError struct {
 
 func (e *ConfigError) Error() string { return e.Message }
 
-// Connector hands out a Talos client built from the talosconfig Secret,
-// rebuilt when the Secret changes.
+// Connector hands out the Talos client built from the talosconfig Secret.
+// It builds a new client only when the Secret's talosconfig changes, not on
+// any other change of the Secret (a label, a refresh that writes the same
+// data), and the client it replaces stays open until every user of it has
+// released it: a step in flight finishes on the client it started with.
 type Connector struct {
 	// Reader reads the Secret (the manager's cache watches just that one).
 	Reader    client.Reader
@@ -43,14 +47,33 @@ type Connector struct {
 	// (tests cut them at once to kill a controller hard); nil dials TCP.
 	Dialer func(ctx context.Context, address string) (net.Conn, error)
 
-	mu     sync.Mutex
-	rv     string
-	client *talosclient.Client
+	mu      sync.Mutex
+	current *conn
+	closed  bool
 }
 
-// Client returns the Talos client, or a *ConfigError when the Secret is
-// missing or does not hold a usable talosconfig.
-func (c *Connector) Client(ctx context.Context) (*talosclient.Client, error) {
+// conn is one client and the talosconfig it was built from.
+type conn struct {
+	client *talosclient.Client
+	data   []byte
+	users  int
+	// retired: a newer client replaced it (or the Connector closed); it
+	// closes when its last user releases it.
+	retired bool
+}
+
+// Use is one user's hold on a Talos client. The client stays open until
+// every Use of it is released.
+type Use struct {
+	Client *talosclient.Client
+	c      *Connector
+	conn   *conn
+	once   sync.Once
+}
+
+// Use returns a hold on the Talos client, or a *ConfigError when the Secret
+// is missing or does not hold a usable talosconfig. The caller releases it.
+func (c *Connector) Use(ctx context.Context) (*Use, error) {
 	secret := &corev1.Secret{}
 	err := c.Reader.Get(ctx, client.ObjectKey{Namespace: c.Namespace, Name: ichorv1.TalosconfigSecret}, secret)
 	if apierrors.IsNotFound(err) {
@@ -63,19 +86,55 @@ func (c *Connector) Client(ctx context.Context) (*talosclient.Client, error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.client != nil && c.rv == secret.ResourceVersion {
-		return c.client, nil
+	if c.closed {
+		return nil, errors.New("the Talos connector is closed: the controller is stopping")
 	}
-	cl, err := c.newClient(ctx, secret.Data[ichorv1.TalosconfigKey])
-	if err != nil {
-		return nil, &ConfigError{Reason: "TalosconfigInvalid", Message: fmt.Sprintf(
-			"Secret %s/%s key %q: %v", c.Namespace, ichorv1.TalosconfigSecret, ichorv1.TalosconfigKey, err)}
+	data := secret.Data[ichorv1.TalosconfigKey]
+	if c.current == nil || !bytes.Equal(c.current.data, data) {
+		cl, err := c.newClient(ctx, data)
+		if err != nil {
+			return nil, &ConfigError{Reason: "TalosconfigInvalid", Message: fmt.Sprintf(
+				"Secret %s/%s key %q: %v", c.Namespace, ichorv1.TalosconfigSecret, ichorv1.TalosconfigKey, err)}
+		}
+		c.retireLocked()
+		c.current = &conn{client: cl, data: bytes.Clone(data)}
 	}
-	if c.client != nil {
-		_ = c.client.Close()
+	c.current.users++
+	return &Use{Client: c.current.client, c: c, conn: c.current}, nil
+}
+
+// Another is a further hold on the same client, for a user that outlives
+// this one (a step that runs after the reconcile that started it).
+func (u *Use) Another() *Use {
+	u.c.mu.Lock()
+	defer u.c.mu.Unlock()
+	u.conn.users++
+	return &Use{Client: u.Client, c: u.c, conn: u.conn}
+}
+
+// Release ends the hold; releasing twice is harmless.
+func (u *Use) Release() {
+	u.once.Do(func() {
+		u.c.mu.Lock()
+		defer u.c.mu.Unlock()
+		u.conn.users--
+		if u.conn.retired && u.conn.users == 0 {
+			_ = u.conn.client.Close()
+		}
+	})
+}
+
+// retireLocked retires the current client: closed now if nobody uses it,
+// or by its last user's Release.
+func (c *Connector) retireLocked() {
+	if c.current == nil {
+		return
 	}
-	c.client, c.rv = cl, secret.ResourceVersion
-	return cl, nil
+	c.current.retired = true
+	if c.current.users == 0 {
+		_ = c.current.client.Close()
+	}
+	c.current = nil
 }
 
 func (c *Connector) newClient(ctx context.Context, data []byte) (*talosclient.Client, error) {
@@ -97,14 +156,12 @@ func (c *Connector) newClient(ctx context.Context, data []byte) (*talosclient.Cl
 	return cl, nil
 }
 
-// Close releases the client.
+// Close stops handing out clients and closes the current one once its
+// users have released it.
 func (c *Connector) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.client == nil {
-		return nil
-	}
-	err := c.client.Close()
-	c.client = nil
-	return err
+	c.closed = true
+	c.retireLocked()
+	return nil
 }
