@@ -102,6 +102,14 @@
 // Service (apid, containerd, cri, machined, udevd, kubelet, ext-*, and etcd
 // and trustd on control planes), Nodename and the local etcd Member.
 //
+// Disruptive sequences follow Talos's sequencer: COSI MachineStatus goes to
+// the sequence's stage (rebooting, upgrading, shutting down, resetting) when
+// it starts and the API keeps answering while the machine stops; while one
+// runs, a Reboot takes a reboot or a reset over, Shutdown and
+// ApplyConfiguration's reboot take anything over, and any other call (a
+// second Reset, say) is answered but starts nothing (a NOOP SequenceEvent
+// with the LOCKED error says so).
+//
 // An upgrade installs to the inactive slot: the version, schematic and
 // installer image change at the next boot, which also brings a new boot ID.
 // The simulated registry has every installer tagged with a version

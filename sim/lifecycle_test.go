@@ -227,6 +227,61 @@ func TestReset(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "the reset machine off", func(context.Context) (bool, error) { return w2.Off(), nil })
 }
 
+// TestSequenceTakeOver: while a reset runs the machine answers in stage
+// resetting; a second Reset is answered but starts nothing (a NOOP
+// SequenceEvent with the LOCKED error), as Talos's sequencer drops it; a
+// Reboot takes the reset over.
+func TestSequenceTakeOver(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	// The machine stops for long enough to be asked again while it does.
+	spec.Durations.Stop = 3 * time.Second
+	f := start(t, spec)
+	w := f.Machines()[1]
+	c := talos(t, f)
+	ctx, cancel := timeout()
+	defer cancel()
+	ch := make(chan client.EventResult, 100)
+	if err := c.EventsWatchV2(on(w), ch, client.WithTailEvents(-1)); err != nil {
+		t.Fatal(err)
+	}
+	before := w.BootID()
+	reset := &machine.ResetRequest{Reboot: true, SystemPartitionsToWipe: []*machine.ResetPartitionSpec{{Label: "EPHEMERAL", Wipe: true}}}
+	if err := c.ResetGeneric(on(w), reset); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "stage resetting", func(ctx context.Context) (bool, error) {
+		ms, err := safe.StateGetByID[*runtime.MachineStatus](on(w), c.COSI, runtime.MachineStatusID)
+		return err == nil && ms.TypedSpec().Stage == runtime.MachineStageResetting, nil
+	})
+	if err := c.ResetGeneric(on(w), reset); err != nil {
+		t.Fatalf("a second reset while one runs: %v, want an answer", err)
+	}
+	for locked := false; !locked; {
+		select {
+		case ev := <-ch:
+			if ev.Error != nil {
+				t.Fatalf("event stream: %v", ev.Error)
+			}
+			if p, ok := ev.Event.Payload.(*machine.SequenceEvent); ok && p.Sequence == "reset" && p.Action == machine.SequenceEvent_NOOP {
+				locked = p.Error.GetCode() == common.Code_LOCKED
+			}
+		case <-ctx.Done():
+			t.Fatal("no NOOP SequenceEvent for the second reset")
+		}
+	}
+	if err := c.Reboot(on(w)); err != nil {
+		t.Fatal(err)
+	}
+	waitRebooted(t, w, before)
+	var kinds []sim.ActionKind
+	for _, a := range f.Recorder().Actions(w.Name()) {
+		kinds = append(kinds, a.Kind)
+	}
+	if len(kinds) != 2 || kinds[0] != sim.ActionReset || kinds[1] != sim.ActionReboot {
+		t.Errorf("actions %v, want one reset taken over by a reboot", kinds)
+	}
+}
+
 const newSchematic = "b8e8fbbe1b520989e6c52c8dc8303070cb42095997e76e812fa8892393e1d176"
 
 // TestLegacyUpgrade: a 1.12 host takes MachineService.Upgrade, installs,

@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/cosi-project/runtime/pkg/state"
 	cosiserver "github.com/cosi-project/runtime/pkg/state/protobuf/server"
 	"github.com/google/uuid"
+	"github.com/siderolabs/talos/pkg/machinery/api/common"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/config"
 	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
@@ -215,16 +217,30 @@ func (m *Machine) PowerOn() error {
 	return nil
 }
 
+// takesOver mirrors Talos's sequencer priorities (runtime.sequenceTakeOver
+// in machined): the running sequences a new one cancels. The boot and
+// initialize sequences, which reboot, reset and upgrade take over in
+// Talos, are instant here.
+var takesOver = map[string][]string{
+	"reboot": {"reboot", "reset"},
+}
+
 // startSequence runs run in the background as the machine's one sequence,
-// as Talos's sequencer does: while one runs another is dropped (Talos
-// answers the call and only logs that), unless takeover, which cancels the
-// running one first (Shutdown, Reset, ApplyConfiguration's reboot).
-func (m *Machine) startSequence(name string, takeover bool, run func(ctx context.Context)) {
+// as Talos's sequencer does: while one runs, a sequence that may not take
+// it over is dropped (Talos answers the call, publishes a NOOP
+// SequenceEvent with the LOCKED error and only logs it). force is Talos's
+// WithTakeover (Shutdown, ApplyConfiguration's reboot): it cancels
+// whatever runs. A second Reset during a reset is dropped; a Reboot takes
+// a reset over.
+func (m *Machine) startSequence(name string, force bool, run func(ctx context.Context)) {
 	m.mu.Lock()
 	old := m.seq
-	if old != nil && !takeover {
+	if old != nil && !force && !slices.Contains(takesOver[name], old.name) {
+		events := m.events
 		m.mu.Unlock()
 		m.f.logf("%s: %s not started: %s is in progress", m.Name(), name, old.name)
+		events.emit("", &machine.SequenceEvent{Sequence: name, Action: machine.SequenceEvent_NOOP,
+			Error: &common.Error{Code: common.Code_LOCKED, Message: "sequence not started: locked"}})
 		return
 	}
 	ctx, cancel := context.WithCancel(m.f.ctx)
@@ -455,7 +471,7 @@ func (m *Machine) reboot(ctx context.Context, actor string) {
 // install happens during the reboot instead (Talos reboots twice).
 func (m *Machine) legacyUpgrade(ctx context.Context, actor string, in installer, stage bool) {
 	if stage {
-		m.begin(ActionUpgrade, runtime.MachineStageRebooting, "stageUpgrade", actor)
+		m.begin(ActionUpgrade, runtime.MachineStageUpgrading, "stageUpgrade", actor)
 	} else {
 		m.begin(ActionUpgrade, runtime.MachineStageUpgrading, "upgrade", actor)
 		m.f.kube.talosDrain(ctx, m)

@@ -125,7 +125,7 @@ func (s *machined) Reset(ctx context.Context, in *machine.ResetRequest) (*machin
 		plan.wipeEtcd = in.Mode != machine.ResetRequest_USER_DISKS
 	}
 	actor := uuid.NewString()
-	m.startSequence("reset", true, func(c context.Context) { m.reset(c, actor, plan) })
+	m.startSequence("reset", false, func(c context.Context) { m.reset(c, actor, plan) })
 	return &machine.ResetResponse{Messages: []*machine.Reset{{ActorId: actor}}}, nil
 }
 
