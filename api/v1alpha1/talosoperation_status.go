@@ -112,6 +112,15 @@ type MachineStatus struct {
 	// Step is the next step and has not begun. Resuming or a retry begins it.
 	// +optional
 	Stopped bool `json:"stopped,omitempty"`
+	// Calls counts, for a step that makes an irreversible call (a reboot,
+	// an upgrade that reboots, a shutdown, a reset), the runs of that step
+	// that set out to make it since its last recorded result. It is
+	// written before each run starts, so more than one means an earlier
+	// run may have made the call: the step then decides from the machine
+	// (its stage, its boot ID), and a machine that no longer answers counts
+	// as having received it. Cleared when the step's result is recorded.
+	// +optional
+	Calls int32 `json:"calls,omitempty"`
 	// Message says what is happening or what went wrong.
 	// +optional
 	Message string `json:"message,omitempty"`

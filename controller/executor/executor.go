@@ -54,6 +54,11 @@ type Step struct {
 	Wait func(ctx context.Context, e *Env) (done bool, o Outcome, err error)
 	// Timeout bounds the step; zero means the reconciler's default.
 	Timeout time.Duration
+	// Irreversible marks a Run step that makes an irreversible call (a
+	// reboot, an upgrade that reboots, a shutdown, a reset). Before each
+	// run the reconciler counts it in the machine's status (Calls), so the
+	// step knows whether an earlier run may have made the call.
+	Irreversible bool
 }
 
 // Outcome is what a finished step records.

@@ -10,6 +10,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
+
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/talos"
@@ -71,6 +73,9 @@ func (NodeAction) Check(ctx context.Context, e *Env) []string {
 			return []string{fmt.Sprintf("%s is a worker: %s runs only on control planes, which run etcd", e.Machine.Name, n.Action)}
 		}
 		if n.Action == ichorv1.NodeEtcdForfeitLeadership {
+			if err := e.requireAddress(); err != nil {
+				return []string{err.Error()}
+			}
 			ms, err := talos.EtcdMembers(ctx, e.Talos, e.Address)
 			if err != nil {
 				return []string{fmt.Sprintf("cannot read the etcd members from %s: %v", e.Machine.Name, err)}
@@ -102,29 +107,32 @@ func (NodeAction) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 	cp := m.Role == ichorv1.RoleControlPlane
 	drainOn := op.Spec.Drain == nil || !op.Spec.Drain.Disabled
 	var steps []Step
+	// disrupt adds what comes before a disruptive call: the boot ID recorded
+	// (the call's evidence), an etcd check before a control plane is
+	// drained, cordon and drain.
 	disrupt := func(graceful bool) {
+		steps = append(steps, recordBootStep())
 		if cp {
 			steps = append(steps, etcdHealthStep())
 		}
 		if drainOn && graceful {
-			steps = append(steps, cordonStep(), drainStep())
+			steps = append(steps, cordonStep(), drainStep(op))
 		}
 	}
 	switch n.Action {
 	case ichorv1.NodeReboot:
-		steps = append(steps, recordBootStep())
 		disrupt(true)
-		steps = append(steps, nodeRebootStep(), rebootedStep(nil, StepRecordBoot))
+		steps = append(steps, callStep(StepReboot, 2*time.Minute, nodeReboot), rebootedStep(nil, StepRecordBoot))
 		if drainOn {
 			steps = append(steps, uncordonStep())
 		}
 	case ichorv1.NodeShutdown:
 		disrupt(true)
-		steps = append(steps, shutdownStep(), waitDownStep())
+		steps = append(steps, callStep(StepShutdown, 2*time.Minute, shutdown), waitDownStep())
 	case ichorv1.NodeReset:
 		graceful := n.Reset == nil || ptr.Deref(n.Reset.Graceful, true)
 		disrupt(graceful)
-		steps = append(steps, resetStep(), waitDownStep())
+		steps = append(steps, callStep(StepReset, 10*time.Minute, reset), waitDownStep())
 	case ichorv1.NodeRestartService:
 		steps = append(steps, restartServiceStep())
 	case ichorv1.NodeEtcdDefrag:
@@ -137,6 +145,9 @@ func (NodeAction) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 
 func recordBootStep() Step {
 	return Step{Name: StepRecordBoot, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
 		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 		if err != nil {
 			return Outcome{}, err
@@ -145,59 +156,57 @@ func recordBootStep() Step {
 	}}
 }
 
-func nodeRebootStep() Step {
-	return Step{Name: StepReboot, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if rebooting(ctx, e) {
-			return Outcome{}, nil
-		}
-		if err := talos.Reboot(ctx, e.Talos, e.Address, false); err != nil {
-			return Outcome{}, Fail("RebootFailed", "%w", err)
-		}
-		return Outcome{Message: "rebooting"}, nil
-	}}
+// callStep is a step that makes one irreversible call.
+func callStep(name string, timeout time.Duration, c call) Step {
+	return Step{Name: name, Timeout: timeout, Irreversible: true, Run: c.make}
 }
 
-func shutdownStep() Step {
-	return Step{Name: StepShutdown, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if !talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
-			return Outcome{}, nil // already down
-		}
-		if err := talos.Shutdown(ctx, e.Talos, e.Address, false); err != nil {
-			return Outcome{}, Fail("ShutdownFailed", "%w", err)
-		}
-		return Outcome{Message: "shutting down"}, nil
-	}}
+var (
+	nodeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
+		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
+		send: func(ctx context.Context, e *Env) error {
+			return talos.Reboot(ctx, e.Talos, e.Address, false)
+		}}
+	shutdown = call{what: "shutdown", reason: "ShutdownFailed",
+		stages: []runtime.MachineStage{runtime.MachineStageShuttingDown},
+		send: func(ctx context.Context, e *Env) error {
+			return talos.Shutdown(ctx, e.Talos, e.Address, false)
+		}}
+	reset = call{what: "reset", reason: "ResetFailed",
+		stages: []runtime.MachineStage{runtime.MachineStageResetting},
+		send: func(ctx context.Context, e *Env) error {
+			graceful, reboot, wipe := resetOptions(e.Op.Spec.Node.Reset)
+			return talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe)
+		}}
+)
+
+func resetOptions(r *ichorv1.ResetOptions) (graceful, reboot bool, wipe talos.Wipe) {
+	if r == nil {
+		return true, false, talos.WipeAll
+	}
+	switch r.Wipe {
+	case ichorv1.WipeSystemDisk:
+		wipe = talos.WipeSystemDisk
+	case ichorv1.WipeEphemeral:
+		wipe = talos.WipeEphemeral
+	default:
+		wipe = talos.WipeAll
+	}
+	return ptr.Deref(r.Graceful, true), r.Reboot, wipe
 }
 
-func resetStep() Step {
-	return Step{Name: StepReset, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if !talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
-			return Outcome{}, nil
-		}
-		r := e.Op.Spec.Node.Reset
-		graceful, reboot, wipe := true, false, talos.WipeAll
-		if r != nil {
-			graceful, reboot = ptr.Deref(r.Graceful, true), r.Reboot
-			switch r.Wipe {
-			case ichorv1.WipeSystemDisk:
-				wipe = talos.WipeSystemDisk
-			case ichorv1.WipeEphemeral:
-				wipe = talos.WipeEphemeral
-			}
-		}
-		if err := talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe); err != nil {
-			return Outcome{}, Fail("ResetFailed", "%w", err)
-		}
-		return Outcome{Message: "resetting"}, nil
-	}}
-}
-
-// waitDownStep waits until the machine has gone: its Node NotReady and the
-// Talos API no longer answering.
+// waitDownStep waits until the machine that was sent a shutdown or reset
+// has gone: its Node NotReady and the Talos API no longer answering.
 func waitDownStep() Step {
 	return Step{Name: StepWaitDown, Timeout: 15 * time.Minute, Wait: func(ctx context.Context, e *Env) (bool, Outcome, error) {
-		if e.Node != nil && machine.Ready(e.Node) {
+		if e.Node == nil {
+			return true, Outcome{Message: "down; its Node is gone"}, nil
+		}
+		if machine.Ready(e.Node) {
 			return false, Outcome{Message: "waiting for the machine to go down"}, nil
+		}
+		if err := e.requireAddress(); err != nil {
+			return false, Outcome{}, err
 		}
 		if talos.Answers(ctx, e.Talos, e.Address, 5*time.Second) {
 			return false, Outcome{Message: "waiting for the Talos API to stop answering", Recheck: time.Second}, nil
@@ -208,6 +217,9 @@ func waitDownStep() Step {
 
 func restartServiceStep() Step {
 	return Step{Name: StepRestartService, Timeout: 5 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
 		svc := e.Op.Spec.Node.Service
 		if err := talos.RestartService(ctx, e.Talos, e.Address, svc); err != nil {
 			return Outcome{}, Fail("RestartFailed", "%w", err)
@@ -218,6 +230,9 @@ func restartServiceStep() Step {
 
 func defragStep() Step {
 	return Step{Name: StepDefragment, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
 		if err := talos.Defragment(ctx, e.Talos, e.Address); err != nil {
 			return Outcome{}, Fail("DefragmentFailed", "%w", err)
 		}
@@ -227,6 +242,9 @@ func defragStep() Step {
 
 func forfeitStep() Step {
 	return Step{Name: StepForfeit, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
 		leader, err := talos.IsLeader(ctx, e.Talos, e.Address)
 		if err != nil {
 			return Outcome{}, err

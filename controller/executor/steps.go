@@ -31,13 +31,30 @@ const (
 	StepRebooted   = "wait-rebooted"
 )
 
+// etcdHealthStep checks etcd before a control plane is drained; the check
+// that counts comes again right before the disruptive call (see call.make).
 func etcdHealthStep() Step {
 	return Step{Name: StepEtcdHealth, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if err := talos.EtcdHealth(ctx, e.Talos, e.ControlPlanes); err != nil {
-			return Outcome{}, Fail("EtcdUnhealthy", "etcd is not healthy: %w", err)
-		}
-		return Outcome{}, nil
+		return Outcome{}, checkEtcd(ctx, e)
 	}}
+}
+
+func checkEtcd(ctx context.Context, e *Env) error {
+	if err := talos.EtcdHealth(ctx, e.Talos, e.ControlPlanes); err != nil {
+		return Fail("EtcdUnhealthy", "etcd is not healthy: %w", err)
+	}
+	return nil
+}
+
+// requireAddress fails a step that talks to the machine's Talos API when
+// its Node reports no InternalIP: there is no address to reach it at, which
+// is not the same as a machine that does not answer.
+func (e *Env) requireAddress() error {
+	if e.Address != "" {
+		return nil
+	}
+	return Fail("NoNodeAddress", "the Node %s has no InternalIP, and Ichor reaches a machine's Talos API at its Node's InternalIP: "+
+		"once the kubelet reports one (`kubectl get node %s -o wide`), retry", e.Machine.Name, e.Machine.Name)
 }
 
 func cordonStep() Step {
@@ -75,31 +92,53 @@ func uncordonStep() Step {
 	}}
 }
 
-func drainStep() Step {
-	return Step{Name: StepDrain, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		d := e.Op.Spec.Drain
-		timeout := 5 * time.Minute
-		if d != nil && d.Timeout != nil {
-			timeout = d.Timeout.Duration
-		}
-		err := runDrain(ctx, e, timeout, false)
+// drainStep evicts the machine's pods within spec.drain.timeout (the step's
+// own timeout leaves it room). Only a drain that ran out of time is forced
+// with onTimeout: force; any other error fails the step.
+func drainStep(op *ichorv1.TalosOperation) Step {
+	d := op.Spec.Drain
+	timeout := DefaultDrainTimeout
+	if d != nil && d.Timeout != nil && d.Timeout.Duration > 0 {
+		timeout = d.Timeout.Duration
+	}
+	force := d != nil && d.OnTimeout == ichorv1.DrainForce
+	// Room for the forced drain, which has the same time again, and for
+	// listing the pods.
+	stepTimeout := timeout + time.Minute
+	if force {
+		stepTimeout += timeout
+	}
+	return Step{Name: StepDrain, Timeout: stepTimeout, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		timedOut, err := runDrain(ctx, e, timeout, false)
 		if err == nil {
 			return Outcome{}, nil
 		}
-		if d != nil && d.OnTimeout == ichorv1.DrainForce {
-			e.Log.Info("drain did not finish in time; deleting the remaining pods, ignoring PodDisruptionBudgets", "machine", e.Machine.Name, "err", err)
-			if err := runDrain(ctx, e, timeout, true); err != nil {
-				return Outcome{}, Fail("DrainFailed", "forced drain: %w", err)
-			}
-			return Outcome{Message: "drain timed out; remaining pods deleted (onTimeout: force)"}, nil
+		if !timedOut {
+			return Outcome{}, Fail("DrainFailed", "%w (fix what blocks the drain, then retry)", err)
 		}
-		return Outcome{}, Fail("DrainFailed", "%w (set spec.drain.onTimeout: force to delete the remaining pods, or fix what blocks eviction and retry)", err)
+		if !force {
+			return Outcome{}, Fail("DrainFailed", "the drain did not finish within %s: %w (set spec.drain.onTimeout: force to delete the remaining pods, or fix what blocks eviction and retry)", timeout, err)
+		}
+		e.Log.Info("drain did not finish in time; deleting the remaining pods, ignoring PodDisruptionBudgets", "machine", e.Machine.Name, "err", err)
+		if _, err := runDrain(ctx, e, timeout, true); err != nil {
+			return Outcome{}, Fail("DrainFailed", "forced drain: %w", err)
+		}
+		return Outcome{Message: "drain timed out; remaining pods deleted (onTimeout: force)"}, nil
 	}}
 }
 
-func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) error {
+// DefaultDrainTimeout bounds a drain when spec.drain.timeout is not set
+// (the API's default).
+const DefaultDrainTimeout = 5 * time.Minute
+
+// runDrain drains the machine's Node within timeout (force deletes pods
+// instead of evicting them) and says whether an error came from running out
+// of that time.
+func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (timedOut bool, err error) {
+	dctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
 	h := &drain.Helper{
-		Ctx:                 ctx,
+		Ctx:                 dctx,
 		Client:              e.Clientset,
 		Force:               true, // bare pods would not survive the reboot either
 		GracePeriodSeconds:  -1,
@@ -110,7 +149,8 @@ func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) er
 		Out:                 logWriter{e.Log},
 		ErrOut:              logWriter{e.Log},
 	}
-	return drain.RunNodeDrain(h, e.Machine.Name)
+	err = drain.RunNodeDrain(h, e.Machine.Name)
+	return err != nil && dctx.Err() == context.DeadlineExceeded && ctx.Err() == nil, err
 }
 
 type logWriter struct{ log logr.Logger }
@@ -132,6 +172,9 @@ func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 		}
 		if e.Node.Status.NodeInfo.BootID != "" && e.Node.Status.NodeInfo.BootID == e.Machine.BootID {
 			return false, Outcome{Message: "waiting for the machine to reboot"}, nil
+		}
+		if err := e.requireAddress(); err != nil {
+			return false, Outcome{}, err
 		}
 		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -66,12 +67,13 @@ func (TalosUpgrade) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) 
 	}
 	drainOff := op.Spec.Drain != nil && op.Spec.Drain.Disabled
 	if !drainOff {
-		steps = append(steps, cordonStep(), drainStep())
+		steps = append(steps, cordonStep(), drainStep(op))
 	}
 	legacy := m.From != "" && !talos.HasLifecycleAPI(m.From)
-	steps = append(steps, installStep(legacy))
-	if !legacy {
-		steps = append(steps, rebootStep())
+	if legacy {
+		steps = append(steps, callStep(StepInstall, 20*time.Minute, legacyUpgrade))
+	} else {
+		steps = append(steps, installStep(), callStep(StepReboot, 2*time.Minute, upgradeReboot))
 	}
 	steps = append(steps, rebootedStep(func(e *Env) string { return e.Op.Spec.Talos.Version }, StepInspect))
 	if !drainOff {
@@ -85,6 +87,9 @@ func (TalosUpgrade) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) 
 // (version and schematic) is done without being touched.
 func inspectStep() Step {
 	return Step{Name: StepInspect, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
 		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 		if err != nil {
 			return Outcome{}, err
@@ -101,36 +106,27 @@ func inspectStep() Step {
 	}}
 }
 
-func installStep(legacy bool) Step {
+// installStep installs the target into the inactive boot slot through
+// ImageService.Pull and LifecycleService.Upgrade (Talos 1.13 and later); it
+// does not reboot. An early 1.13 pre-release without LifecycleService takes
+// the legacy call, which reboots by itself.
+func installStep() Step {
 	return Step{Name: StepInstall, Timeout: 20 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
-		if err != nil {
+		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		t := e.Op.Spec.Talos
-		image := talos.InstallerImage(t.ImageRepository, f, t.Schematic, t.Version)
-		powercycle := t.RebootMode == ichorv1.RebootModePowercycle
-		if legacy {
-			// The legacy call reboots by itself: never send it twice.
-			if rebooting(ctx, e) {
-				return Outcome{Message: "rebooting"}, nil
-			}
-			if err := talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle); err != nil {
-				return Outcome{}, Fail("InstallFailed", "%w", err)
-			}
-			return Outcome{Message: "installed " + image + "; rebooting"}, nil
+		image, err := installerImage(ctx, e)
+		if err != nil {
+			return Outcome{}, err
 		}
 		err = talos.Pull(ctx, e.Talos, e.Address, image)
 		if err == nil {
 			err = talos.Install(ctx, e.Talos, e.Address, image)
 		}
 		if status.Code(err) == codes.Unimplemented {
-			// An early 1.13 pre-release without LifecycleService: the
-			// legacy call installs and reboots by itself.
-			if err := talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle); err != nil {
-				return Outcome{}, Fail("InstallFailed", "%w", err)
-			}
-			return Outcome{Message: "installed " + image + " (legacy API); rebooting", Next: StepRebooted}, nil
+			out, err := legacyUpgrade.make(ctx, e)
+			out.Next = StepRebooted
+			return out, err
 		}
 		if err != nil {
 			return Outcome{}, Fail("InstallFailed", "%w", err)
@@ -139,31 +135,35 @@ func installStep(legacy bool) Step {
 	}}
 }
 
-func rebootStep() Step {
-	return Step{Name: StepReboot, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if rebooting(ctx, e) {
-			return Outcome{}, nil
-		}
-		powercycle := e.Op.Spec.Talos.RebootMode == ichorv1.RebootModePowercycle
-		if err := talos.Reboot(ctx, e.Talos, e.Address, powercycle); err != nil {
-			return Outcome{}, Fail("RebootFailed", "%w", err)
-		}
-		return Outcome{Message: "rebooting"}, nil
-	}}
+// installerImage is the installer for the machine: its platform, secure
+// boot and schematic (or the operation's).
+func installerImage(ctx context.Context, e *Env) (string, error) {
+	f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
+	if err != nil {
+		return "", err
+	}
+	t := e.Op.Spec.Talos
+	return talos.InstallerImage(t.ImageRepository, f, t.Schematic, t.Version), nil
 }
 
-// rebooting reports whether the reboot recorded in status has already begun:
-// the machine does not answer, or answers with another boot ID. A step rerun
-// after a controller restart uses it so that a machine never reboots twice.
-func rebooting(ctx context.Context, e *Env) bool {
-	boot, err := talos.BootID(ctx, e.Talos, e.Address)
-	if err != nil {
-		return talos.Unreachable(err)
-	}
-	if boot != e.Machine.BootID {
-		return true
-	}
-	// Talos answers for a while after it has started going down.
-	going, err := talos.GoingDown(ctx, e.Talos, e.Address)
-	return err == nil && going
-}
+func powercycle(e *Env) bool { return e.Op.Spec.Talos.RebootMode == ichorv1.RebootModePowercycle }
+
+var (
+	// legacyUpgrade is MachineService.Upgrade (hosts below 1.13), which
+	// installs and reboots by itself: the stage is upgrading until the
+	// kexec, rebooting after it.
+	legacyUpgrade = call{what: "upgrade", reason: "InstallFailed", rebootsOnly: true,
+		stages: []runtime.MachineStage{runtime.MachineStageUpgrading, runtime.MachineStageRebooting},
+		send: func(ctx context.Context, e *Env) error {
+			image, err := installerImage(ctx, e)
+			if err != nil {
+				return err
+			}
+			return talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle(e))
+		}}
+	upgradeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
+		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
+		send: func(ctx context.Context, e *Env) error {
+			return talos.Reboot(ctx, e.Talos, e.Address, powercycle(e))
+		}}
+)

@@ -238,16 +238,13 @@ func Unreachable(err error) bool {
 	return false
 }
 
-// GoingDown reports whether the machine has begun a reboot, upgrade,
-// shutdown or reset sequence (COSI MachineStatus stage).
-func GoingDown(ctx context.Context, c *talosclient.Client, node string) (bool, error) {
+// Stage reads the machine's stage from its COSI MachineStatus: running,
+// or rebooting, upgrading, shutting down, resetting while Talos runs that
+// sequence (it keeps answering until the machine stops).
+func Stage(ctx context.Context, c *talosclient.Client, node string) (runtime.MachineStage, error) {
 	ms, err := safe.StateGetByID[*runtime.MachineStatus](talosclient.WithNode(ctx, node), c.COSI, runtime.MachineStatusID)
 	if err != nil {
-		return false, fmt.Errorf("read machine status: %w", err)
+		return 0, fmt.Errorf("read machine status: %w", err)
 	}
-	switch ms.TypedSpec().Stage {
-	case runtime.MachineStageRebooting, runtime.MachineStageShuttingDown, runtime.MachineStageResetting, runtime.MachineStageUpgrading:
-		return true, nil
-	}
-	return false, nil
+	return ms.TypedSpec().Stage, nil
 }

@@ -1,0 +1,151 @@
+package executor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/talos"
+)
+
+// call is an irreversible call to a machine (a reboot, the legacy upgrade
+// that reboots by itself, a shutdown, a reset) and what shows that it has
+// been made.
+type call struct {
+	// what names the call in messages: "reboot", "upgrade", "shutdown", "reset".
+	what string
+	// reason is the failureReason when Talos refuses the call.
+	reason string
+	// stages are the MachineStatus stages the call puts the machine in.
+	stages []runtime.MachineStage
+	// rebootsOnly: the call's whole effect is a reboot, so any boot since
+	// status recorded the boot ID is it. Otherwise a new boot counts only
+	// after an earlier run may have made the call (a reset with reboot).
+	rebootsOnly bool
+	send        func(ctx context.Context, e *Env) error
+}
+
+// poll is how often a call looks at the machine again while it waits.
+var poll = time.Second
+
+// probeTimeout bounds one look at the machine.
+const probeTimeout = 5 * time.Second
+
+// disruptive are the stages of Talos's disruptive sequences.
+var disruptive = []runtime.MachineStage{
+	runtime.MachineStageRebooting, runtime.MachineStageUpgrading,
+	runtime.MachineStageShuttingDown, runtime.MachineStageResetting,
+}
+
+// make makes the call at most once per step and attempt, deciding from
+// what the machine shows, never from silence:
+//   - in one of the call's stages, or booted again since status recorded
+//     its boot ID (see rebootsOnly): the call was made, by this run or an
+//     earlier one; it is not made again;
+//   - answering in another disruptive stage: another sequence runs; wait
+//     for it to end;
+//   - answering otherwise: make the call, on a control plane right after
+//     the etcd health check;
+//   - not answering: if an earlier run may have made the call (status
+//     counts the runs, MachineStatus.Calls) or this one's call got no
+//     answer, the machine is going down from it; otherwise it was not
+//     disrupted by us, so look again until the step's time is nearly up,
+//     then fail: a machine that does not answer is never "done".
+func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
+	if err := e.requireAddress(); err != nil {
+		return Outcome{}, err
+	}
+	maybeMade := e.Machine.Calls > 1
+	var last error
+	for {
+		boot, stage, err := c.observe(ctx, e)
+		switch {
+		case err == nil && slices.Contains(c.stages, stage):
+			return Outcome{Message: fmt.Sprintf("%s under way (stage %s)", c.what, stage)}, nil
+		case err == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && (c.rebootsOnly || maybeMade):
+			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil
+		case err == nil && slices.Contains(disruptive, stage):
+			last = fmt.Errorf("the machine is %s: another sequence runs on it", stage)
+		case err == nil:
+			err := c.sendChecked(ctx, e)
+			if err == nil {
+				return Outcome{Message: c.what + " sent"}, nil
+			}
+			var se *StepError
+			if errors.As(err, &se) || !talos.Unreachable(err) {
+				return Outcome{}, err
+			}
+			// The call got no answer: it may have reached the machine.
+			maybeMade, last = true, err
+		case talos.Unreachable(err):
+			if maybeMade {
+				return Outcome{Message: fmt.Sprintf("%s: the machine no longer answers since the call was made", c.what)}, nil
+			}
+			last = err
+		default:
+			return Outcome{}, fmt.Errorf("read the machine's state before the %s: %w", c.what, err)
+		}
+		if !c.again(ctx) {
+			return Outcome{}, c.giveUp(e, last)
+		}
+	}
+}
+
+// observe reads the machine's boot ID and stage.
+func (c call) observe(ctx context.Context, e *Env) (string, runtime.MachineStage, error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	boot, err := talos.BootID(ctx, e.Talos, e.Address)
+	if err != nil {
+		return "", 0, err
+	}
+	stage, err := talos.Stage(ctx, e.Talos, e.Address)
+	return boot, stage, err
+}
+
+// sendChecked makes the call; on a control plane the etcd health check
+// comes right before it, so nothing slow lies between the two.
+func (c call) sendChecked(ctx context.Context, e *Env) error {
+	if e.Machine.Role == ichorv1.RoleControlPlane {
+		if err := checkEtcd(ctx, e); err != nil {
+			return err
+		}
+	}
+	if err := c.send(ctx, e); err != nil {
+		if talos.Unreachable(err) {
+			return err
+		}
+		return Fail(c.reason, "%w", err)
+	}
+	return nil
+}
+
+// again waits before the next look, unless the step's time would run out
+// first: it then returns false, so the step fails with its own reason
+// rather than with the runner's timeout.
+func (c call) again(ctx context.Context) bool {
+	if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) < poll+probeTimeout {
+		return false
+	}
+	t := time.NewTimer(poll)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func (c call) giveUp(e *Env, last error) error {
+	if talos.Unreachable(last) {
+		return Fail("Unreachable", "%s does not answer the Talos API at %s (%v), so no %s was made: check that it runs and that the controller reaches it, then retry",
+			e.Machine.Name, e.Address, last, c.what)
+	}
+	return Fail(c.reason, "no %s was made: %v; retry once it is done", c.what, last)
+}

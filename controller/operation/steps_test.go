@@ -1,0 +1,227 @@
+package operation_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	"google.golang.org/grpc/codes"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// withStepTimeout bounds the steps that set no timeout of their own.
+func withStepTimeout(d time.Duration) controllerOption {
+	return func(o *app.Options, _ **rest.Config) { o.StepTimeout = d }
+}
+
+// podOn runs a pod named name on the Node, for drains to move. It reports
+// the pod Running, as its kubelet would: the API server lets evictions of
+// pods that do not run ignore their disruption budgets.
+func (c *cluster) podOn(node, name string) {
+	c.t.Helper()
+	ctx := context.Background()
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name, Labels: map[string]string{"app": name}},
+		Spec: corev1.PodSpec{NodeName: node, Containers: []corev1.Container{{Name: "app", Image: "app"}}}}
+	if err := env.Client.Create(ctx, pod); err != nil {
+		c.t.Fatal(err)
+	}
+	// The Node's name comes back in the next test's fleet: so must not the pod.
+	c.t.Cleanup(func() { _ = env.Client.Delete(context.Background(), pod, client.GracePeriodSeconds(0)) })
+	pod.Status.Phase = corev1.PodRunning
+	pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+	if err := env.Client.Status().Update(ctx, pod); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// budget puts a PodDisruptionBudget named name over the pod app: with no
+// disruption controller to observe it, the API server refuses every
+// eviction it covers. It returns the function that deletes it.
+func (c *cluster) budget(name, app string) (remove func()) {
+	c.t.Helper()
+	pdb := &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name},
+		Spec: policyv1.PodDisruptionBudgetSpec{MinAvailable: ptrTo(intstr.FromInt32(1)),
+			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": app}}}}
+	if err := env.Client.Create(context.Background(), pdb); err != nil {
+		c.t.Fatal(err)
+	}
+	c.t.Cleanup(func() { _ = env.Client.Delete(context.Background(), pdb) })
+	return func() {
+		c.t.Helper()
+		if err := env.Client.Delete(context.Background(), pdb); err != nil {
+			c.t.Fatal(err)
+		}
+	}
+}
+
+func ptrTo[T any](v T) *T { return &v }
+
+// holdDrain keeps the drain of node going until the returned function is
+// called: a pod whose eviction a PodDisruptionBudget refuses.
+func (c *cluster) holdDrain(node string) (release func()) {
+	c.podOn(node, "held")
+	return c.budget("held", "held")
+}
+
+// atStep waits until the operation's only machine is in progress at step.
+func (c *cluster) atStep(name, step string) {
+	c.t.Helper()
+	c.waitFor(name, "to reach "+step, time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return len(op.Status.Machines) == 1 && op.Status.Machines[0].Phase == ichorv1.MachineInProgress && op.Status.Machines[0].Step == step
+	})
+}
+
+func (c *cluster) waitFailed(name, reason string) *ichorv1.TalosOperation {
+	c.t.Helper()
+	return c.waitFor(name, "to fail with "+reason, time.Minute, func(op *ichorv1.TalosOperation) bool {
+		if op.Succeeded() {
+			c.t.Fatalf("%s succeeded; want it to fail with %s", name, reason)
+		}
+		return op.Status.FailureReason == reason
+	})
+}
+
+// TestEtcdCheckedRightBeforeTheCall: etcd turning unhealthy during a control
+// plane's drain, after the early check passed, stops the reboot: the check
+// that counts comes right before the call. A retry, once etcd is healthy,
+// reboots it once.
+func TestEtcdCheckedRightBeforeTheCall(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 3, 0))
+	cp := c.fleet.ControlPlanes()[1]
+	release := c.holdDrain(cp.Name())
+	c.start()
+	c.create("reboot", rebootSpec(cp.Name()))
+	c.atStep("reboot", "drain")
+	healthy := c.fleet.ControlPlanes()[2].Inject(sim.Fault{Kind: sim.FaultEtcdUnhealthy})
+	release()
+	op := c.waitFailed("reboot", "EtcdUnhealthy")
+	if m := op.Status.Machines[0]; m.Step != "reboot" {
+		t.Errorf("failed at step %s, want reboot", m.Step)
+	}
+	if n := c.fleet.Recorder().Calls(cp.Name(), "MachineService/Reboot"); n != 0 {
+		t.Fatalf("%s was rebooted %d times while etcd was unhealthy", cp.Name(), n)
+	}
+	healthy()
+	c.kubectl("annotate", "talosoperation", "reboot", ichorv1.RetryAnnotation+"=true")
+	c.waitSucceeded("reboot", time.Minute)
+	if n := c.fleet.Recorder().Calls(cp.Name(), "MachineService/Reboot"); n != 1 {
+		t.Errorf("%s was rebooted %d times after the retry, want once", cp.Name(), n)
+	}
+}
+
+// TestUnreachableIsNeverDone: a machine whose Talos API stops answering
+// right before the reboot, shutdown or reset is not taken as done: the step
+// keeps looking, and once the machine answers it makes the call, once.
+func TestUnreachableIsNeverDone(t *testing.T) {
+	tests := []struct {
+		action ichorv1.NodeActionType
+		method string
+		done   func(m *sim.Machine, bootBefore string) bool
+	}{
+		{ichorv1.NodeReboot, "MachineService/Reboot", func(m *sim.Machine, before string) bool { return m.BootID() != before }},
+		{ichorv1.NodeShutdown, "MachineService/Shutdown", func(m *sim.Machine, _ string) bool { return m.Off() }},
+		{ichorv1.NodeReset, "MachineService/Reset", func(m *sim.Machine, _ string) bool { return m.Off() }},
+	}
+	for _, tt := range tests {
+		t.Run(string(tt.action), func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 1))
+			w := c.fleet.Machines()[1]
+			release := c.holdDrain(w.Name())
+			c.start()
+			before := w.BootID()
+			c.create("action", nodeSpec(w.Name(), tt.action))
+			c.atStep("action", "drain")
+			rec := c.fleet.Recorder()
+			asked := rec.Calls(w.Name(), "*")
+			answers := w.Inject(sim.Fault{Kind: sim.FaultError, Method: "*", Code: codes.Unavailable})
+			release()
+			testenv.Eventually(t, time.Minute, "the step to look at the silent machine again", func(context.Context) (bool, error) {
+				return rec.Calls(w.Name(), "*") >= asked+4, nil
+			})
+			if op := c.get("action"); op.Succeeded() || rec.Calls(w.Name(), tt.method) != 0 {
+				t.Fatalf("with the machine silent: phase %s, %d %s calls", op.Status.Phase, rec.Calls(w.Name(), tt.method), tt.method)
+			}
+			answers()
+			c.waitSucceeded("action", time.Minute)
+			if n := rec.Calls(w.Name(), tt.method); n != 1 || !tt.done(w, before) {
+				t.Errorf("%d %s calls (want 1), done %v", n, tt.method, tt.done(w, before))
+			}
+		})
+	}
+}
+
+// TestDrainTimeoutHonoured: spec.drain.timeout governs the drain, not the
+// controller's default step timeout, which is shorter here than the drain.
+func TestDrainTimeoutHonoured(t *testing.T) {
+	spec := sim.Cluster("", 1, 1)
+	// The pod takes this long to go once evicted.
+	spec.Durations.PodGrace = 2 * time.Second
+	c := newCluster(t, spec)
+	w := c.fleet.Machines()[1].Name()
+	c.podOn(w, "app")
+	c.start(withStepTimeout(200 * time.Millisecond))
+	s := rebootSpec(w)
+	s.Drain = &ichorv1.Drain{Timeout: &metav1.Duration{Duration: time.Minute}}
+	c.create("reboot", s)
+	c.waitSucceeded("reboot", time.Minute)
+}
+
+// TestDrainForcedOnlyOnTimeout: onTimeout: force deletes pods only when the
+// drain ran out of time; an eviction the API server refuses for another
+// reason (two budgets over one pod) fails the step and the pod stays.
+func TestDrainForcedOnlyOnTimeout(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1].Name()
+	c.podOn(w, "app")
+	c.budget("one", "app")
+	c.budget("two", "app")
+	c.start()
+	s := rebootSpec(w)
+	s.Drain = &ichorv1.Drain{Timeout: &metav1.Duration{Duration: time.Minute}, OnTimeout: ichorv1.DrainForce}
+	c.create("reboot", s)
+	op := c.waitFailed("reboot", "DrainFailed")
+	if msg := op.Status.Machines[0].Message; !strings.Contains(msg, "more than one PodDisruptionBudget") {
+		t.Errorf("message %q does not say why the drain failed", msg)
+	}
+	if err := env.Client.Get(context.Background(), keyOf(c.ns, "app"), &corev1.Pod{}); err != nil {
+		t.Errorf("the pod was deleted although the drain did not time out: %v", err)
+	}
+	if n := c.fleet.Recorder().Calls(w, "MachineService/Reboot"); n != 0 {
+		t.Errorf("%d reboots after a failed drain", n)
+	}
+}
+
+// TestNodeWithoutAddress: a Node that reports no InternalIP fails the step
+// with NoNodeAddress, saying so, and nothing is sent to any machine.
+func TestNodeWithoutAddress(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1].Name()
+	node := &corev1.Node{}
+	node.Name = w
+	patch := `{"status":{"addresses":[{"type":"Hostname","address":"` + w + `"}]}}`
+	if err := env.Client.Status().Patch(context.Background(), node, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+		t.Fatal(err)
+	}
+	c.start()
+	c.create("reboot", rebootSpec(w))
+	op := c.waitFailed("reboot", "NoNodeAddress")
+	if !strings.Contains(op.Status.Message, "has no InternalIP") {
+		t.Errorf("message %q", op.Status.Message)
+	}
+	if n := c.fleet.Recorder().Calls("", "*"); n != 0 {
+		t.Errorf("%d Talos calls for a machine without an address: %v", n, c.fleet.Recorder().CallCounts())
+	}
+}
