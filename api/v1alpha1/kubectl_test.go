@@ -62,7 +62,7 @@ spec:
 		args []string
 		want []string
 	}{
-		{[]string{"get", "talosop", "-n", ns}, []string{"NAME", "KIND", "PHASE", "PROGRESS", "CURRENT", "REASON", "AGE", "upgrade-talos", "talos", "Running", "3/7", "cp-2"}},
+		{[]string{"get", "talosop", "-n", ns}, []string{"NAME", "KIND", "PHASE", "PROGRESS", "CURRENT", "REASON", "FAILURE", "AGE", "upgrade-talos", "talos", "Running", "3/7", "cp-2"}},
 		{[]string{"get", "talosop", "-n", ns, "-o", "wide"}, []string{"TARGET", "LOCK", "talos v1.13.7", "Held"}},
 		{[]string{"get", "ichor", "-n", ns}, []string{"upgrade-talos", "Running"}},
 	}

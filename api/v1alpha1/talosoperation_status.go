@@ -206,6 +206,7 @@ type TalosOperationStatus struct {
 // +kubebuilder:printcolumn:name="Progress",type=string,JSONPath=`.status.progress`
 // +kubebuilder:printcolumn:name="Current",type=string,JSONPath=`.status.current`
 // +kubebuilder:printcolumn:name="Reason",type=string,JSONPath=`.status.reason`
+// +kubebuilder:printcolumn:name="Failure",type=string,JSONPath=`.status.failureReason`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:printcolumn:name="Target",type=string,JSONPath=`.status.target`,priority=1
 // +kubebuilder:printcolumn:name="Lock",type=string,JSONPath=`.status.lock`,priority=1

@@ -300,6 +300,14 @@ func TestGetEqualsKubectlGet(t *testing.T) {
 	setStatus(t, a, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning, Progress: "3/7", Current: "cp-2", Target: "talos v1.13.7", Lock: ichorv1.LockHeld})
 	b := createOp(t, ns, "upgrade-b")
 	setStatus(t, b, ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonClusterLockHeld, Lock: ichorv1.LockWaiting, LockHolder: ichorv1.OperationIdentity(ns, "upgrade-a")})
+	c := createOp(t, ns, "upgrade-c")
+	failed := failedStatus()
+	failed.FailureReason = "InstallFailed"
+	setStatus(t, c, failed)
+	// A failed step: Paused, StepFailed, and the failure's reason in its own column.
+	if out := ok(t, "get", "talosop", "upgrade-c", "-n", ns); !regexp.MustCompile(`REASON\s+FAILURE\s+AGE\nupgrade-c\s+talos\s+Paused\s+0/1\s+StepFailed\s+InstallFailed\s`).MatchString(out) {
+		t.Errorf("kubectl get of a failed operation:\n%s", out)
+	}
 
 	tests := []struct {
 		plugin, kubectl []string
@@ -535,7 +543,7 @@ func TestWatchFollowsToTheEnd(t *testing.T) {
 				t.Errorf("log lacks %q:\n%s", want, out)
 			}
 		}
-		wantErr := "error: talosoperation.ichor.maesh.dev/fails failed: upgrade of cp-1 failed (machine cp-1, step upgrade: installer image pull: i/o timeout); fix the cause, then run: kubectl ichor retry fails\n"
+		wantErr := "error: talosoperation.ichor.maesh.dev/fails is paused by a failed step (StepFailed): upgrade of cp-1 failed (machine cp-1, step upgrade: installer image pull: i/o timeout); fix the cause, then run: kubectl ichor retry fails\n"
 		if p.stderr() != wantErr {
 			t.Errorf("stderr %q, want %q", p.stderr(), wantErr)
 		}

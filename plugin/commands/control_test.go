@@ -272,7 +272,7 @@ func TestOutcome(t *testing.T) {
 		})
 	}
 	_, err := outcome(newOp("a", stepFailed), -1, "ichor")
-	want := "error: talosoperation.ichor.maesh.dev/a failed: upgrade cp-2: installer image pull timed out (machine cp-2, step upgrade: i/o timeout); fix the cause, then run: ichor retry a"
+	want := "error: talosoperation.ichor.maesh.dev/a is paused by a failed step (StepFailed): upgrade cp-2: installer image pull timed out (machine cp-2, step upgrade: i/o timeout); fix the cause, then run: ichor retry a"
 	if err == nil || err.Error() != want {
 		t.Errorf("failure message %q, want %q", err, want)
 	}

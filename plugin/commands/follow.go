@@ -116,7 +116,7 @@ func failure(op *ichorv1.TalosOperation, command string) error {
 	if op.PausedByOperator() {
 		next = fmt.Sprintf("%s operation resume %s", command, op.Name)
 	}
-	return exitError(ExitFailed, "%s failed: %s; fix the cause, then run: %s", ref(op.Name), msg, next)
+	return exitError(ExitFailed, "%s is paused by a failed step (StepFailed): %s; fix the cause, then run: %s", ref(op.Name), msg, next)
 }
 
 // display is where a followed operation goes: a terminal view, a log of

@@ -50,7 +50,7 @@ func RenderList(namespace string, ops []ichorv1.TalosOperation, o Options) []str
 			l.add(plain, "  "+pad(Clean(op.Status.Progress), 8)+"  "+pad(shortElapsed(op, o), 7)+"  ")
 			msg := op.Status.Message
 			if op.StepFailed() {
-				msg = op.Status.FailureReason
+				msg = ichorv1.ReasonStepFailed + ": " + op.Status.FailureReason
 			} else if op.WaitingForLock() && op.Status.LockHolder != "" {
 				msg = "waiting for the cluster lock, held by " + op.Status.LockHolder
 			}

@@ -135,7 +135,7 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	if op.StepFailed() {
 		reason := Clean(op.Status.FailureReason)
 		if len(failed) == 0 {
-			note(red, "Failed:  ", reason)
+			note(red, "Failure: ", reason)
 		}
 		for n, i := range failed {
 			if n == maxCauses {
@@ -153,7 +153,7 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 			if o.Cordoned[m.Name] {
 				what += "; " + Clean(m.Name) + " was left cordoned"
 			}
-			long(red, "Failed:  ", what)
+			long(red, "Failure: ", what)
 			if m.Message != "" {
 				long(plain, "Cause:   ", Shorten(Clean(m.Message)))
 			}

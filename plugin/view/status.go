@@ -44,7 +44,8 @@ func opState(op *ichorv1.TalosOperation) (icon, style, string) {
 	case op.Refused():
 		return iconBad, red, string(ichorv1.PhaseRefused)
 	case op.StepFailed() && !op.RetryPending():
-		return iconBad, red, "Failed"
+		// Paused by a failed step: the phase, with the reason StepFailed beside it.
+		return iconBad, red, string(ichorv1.PhasePaused)
 	case op.PausedByOperator() || op.Status.Reason == ichorv1.ReasonPausedByOperator:
 		return iconPaused, yellow, string(ichorv1.PhasePaused)
 	case op.Status.Phase == ichorv1.PhasePaused:
