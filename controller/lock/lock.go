@@ -26,7 +26,10 @@ import (
 )
 
 // ErrConflict means the Lease changed between read and write; read again.
-var ErrConflict = errors.New("the cluster lock changed while taking it; try again")
+// It is the API server's conflict (apierrors.IsConflict holds), so the
+// reconcilers treat it as any other optimistic-concurrency conflict.
+var ErrConflict = apierrors.NewConflict(coordinationv1.Resource("leases"), ichorv1.LockLeaseName,
+	errors.New("the cluster lock changed meanwhile; read it again"))
 
 // Annotations on the Lease that explain its last change.
 const (

@@ -30,6 +30,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/recorder"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/conflict"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/machine"
 )
@@ -63,6 +64,11 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 
 // Reconcile implements reconcile.Reconciler.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	res, err := r.reconcile(ctx, req)
+	return conflict.Requeue(r.Log.WithValues("node", req.Name), res, err)
+}
+
+func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	id := ichorv1.MachineIdentity(req.Name)
 	node := &corev1.Node{}
 	err := r.Client.Get(ctx, req.NamespacedName, node)
@@ -95,7 +101,7 @@ func (r *Reconciler) take(ctx context.Context, id string, node *corev1.Node, wha
 	}
 	res, err := r.Lock.Acquire(ctx, id)
 	if err != nil {
-		return err
+		return fmt.Errorf("taking the cluster lock for the control-plane %s: %w", what, err)
 	}
 	if !res.Acquired {
 		// The join or removal goes on regardless; the lock is taken as
@@ -129,7 +135,7 @@ func (r *Reconciler) pending(ctx context.Context, _ client.Object) []reconcile.R
 func (r *Reconciler) release(ctx context.Context, id string, node *corev1.Node, why string) error {
 	_, released, err := r.Lock.Release(ctx, id)
 	if err != nil {
-		return err
+		return fmt.Errorf("releasing the cluster lock of %s: %w", id, err)
 	}
 	if released {
 		r.Log.Info("control-plane membership change done; cluster lock released", "identity", id, "why", why)

@@ -38,7 +38,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 	}
 	res, err := t.r.Lock.Acquire(ctx, id)
 	if err != nil {
-		return false, err
+		return false, fmt.Errorf("taking the cluster lock: %w", err)
 	}
 	if !res.Acquired {
 		t.wait(res.Holder, fmt.Sprintf("waiting for the cluster lock, held by %s since %s", res.Holder, res.Since.UTC().Format(time.RFC3339)))
@@ -116,7 +116,7 @@ func (r *Reconciler) release(ctx context.Context, op *ichorv1.TalosOperation) er
 		}
 		held, released, err := r.Lock.Release(ctx, id)
 		if err != nil {
-			return fmt.Errorf("release cluster lock: %w", err)
+			return fmt.Errorf("releasing the cluster lock: %w", err)
 		}
 		if released {
 			lockHeld.Set(0)

@@ -18,7 +18,6 @@ import (
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/equality"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -28,6 +27,7 @@ import (
 
 	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/conflict"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/preflight"
@@ -73,6 +73,11 @@ func (r *Reconciler) now() time.Time {
 // Reconcile implements reconcile.Reconciler. It runs the phase the
 // operation is in: deleted, over, or one turn of the state machine.
 func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
+	res, err := r.reconcile(ctx, req)
+	return conflict.Requeue(r.Log.WithValues("operation", req.NamespacedName.String()), res, err)
+}
+
+func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
 	op := &ichorv1.TalosOperation{}
 	if err := r.Client.Get(ctx, req.NamespacedName, op); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
@@ -144,9 +149,6 @@ func (t *turn) write(ctx context.Context) error {
 	if !equality.Semantic.DeepEqual(t.persisted.Status, t.op.Status) {
 		before := t.op.ResourceVersion
 		if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
-			if apierrors.IsConflict(err) {
-				t.log.V(1).Info("status changed meanwhile; reconciling again")
-			}
 			t.canLaunch = false
 			return fmt.Errorf("write status: %w", err)
 		}
