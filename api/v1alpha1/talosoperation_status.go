@@ -48,6 +48,15 @@ const (
 	ConditionProgressing = "Progressing"
 	// ConditionPaused is True while the operation is Paused, for any reason.
 	ConditionPaused = "Paused"
+	// ConditionReconciling is True while the operation still moves by
+	// itself: pending, running, waiting for the lock, paused by an
+	// operator, or settling the steps in flight after a failure. kstatus
+	// (Flux, kpt) reads it as InProgress.
+	ConditionReconciling = "Reconciling"
+	// ConditionStalled is True while only a person can move the operation
+	// on: it was refused, or a step failed and nothing is in flight any
+	// more. Its reason is the failure's. kstatus reads it as Failed.
+	ConditionStalled = "Stalled"
 )
 
 // MachineRole is a machine's role in the cluster.

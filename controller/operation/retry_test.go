@@ -16,6 +16,9 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	kstatus "sigs.k8s.io/cli-utils/pkg/kstatus/status"
+
 	"maesh.dev/ichor/internal/testenv"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -45,6 +48,9 @@ func TestFailureAndRetry(t *testing.T) {
 	if m := entryOf(op, w(1)); m.Phase != ichorv1.MachineSucceeded {
 		t.Fatalf("%s is %s", w(1), m.Phase)
 	}
+	if got := kstatusOf(t, c, "upgrade"); got.Status != kstatus.FailedStatus || !strings.Contains(got.Message, "InstallFailed") {
+		t.Errorf("kstatus of the failed operation: %s %q, want Failed with the failure's reason", got.Status, got.Message)
+	}
 	calls := c.fleet.Recorder().CallCounts()
 
 	// Any other value than "true" is ignored, and left alone.
@@ -73,6 +79,9 @@ func TestFailureAndRetry(t *testing.T) {
 	c.fleet.Machine(w(2)).ClearFaults()
 	c.patchSpec("upgrade", `{"paused":false}`)
 	op = c.waitSucceeded("upgrade", time.Minute)
+	if got := kstatusOf(t, c, "upgrade"); got.Status != kstatus.CurrentStatus {
+		t.Errorf("kstatus of the succeeded operation: %s %q, want Current", got.Status, got.Message)
+	}
 	if op.Status.RetryCount != 1 || op.Status.LastRetry == nil || op.RetryPending() {
 		t.Errorf("retryCount %d lastRetry %v annotation %q", op.Status.RetryCount, op.Status.LastRetry, op.Annotations[ichorv1.RetryAnnotation])
 	}
@@ -215,4 +224,20 @@ func TestRetryConsumedOnce(t *testing.T) {
 	if !strings.Contains(e.Message, "has succeeded") {
 		t.Errorf("RetryIgnored Event %q does not say the operation has succeeded", e.Message)
 	}
+}
+
+// kstatusOf computes with kstatus (as Flux does) the status of the
+// operation as the API server serves it.
+func kstatusOf(t *testing.T, c *cluster, name string) *kstatus.Result {
+	t.Helper()
+	u := &unstructured.Unstructured{}
+	u.SetGroupVersionKind(ichorv1.GroupVersion.WithKind("TalosOperation"))
+	if err := env.Client.Get(context.Background(), keyOf(c.ns, name), u); err != nil {
+		t.Fatal(err)
+	}
+	res, err := kstatus.Compute(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
 }

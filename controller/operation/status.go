@@ -51,6 +51,8 @@ func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	setReadyCondition(op)
 	setProgressingCondition(op)
 	setPausedCondition(op)
+	setStalledCondition(op)
+	setReconcilingCondition(op)
 }
 
 const (
@@ -139,6 +141,27 @@ func setProgressingCondition(op *ichorv1.TalosOperation) {
 // setPausedCondition: True while the operation is Paused, for any reason.
 func setPausedCondition(op *ichorv1.TalosOperation) {
 	setCondition(op, ichorv1.ConditionPaused, op.Status.Phase == ichorv1.PhasePaused, op.Status.Reason)
+}
+
+// stalled reports whether only a person can move the operation on.
+func stalled(op *ichorv1.TalosOperation) bool {
+	return op.Status.Phase == ichorv1.PhaseRefused || op.Status.Phase == ichorv1.PhasePaused && op.FailedAndSettled()
+}
+
+// setStalledCondition: True when refused, or paused on a failed step once
+// the steps in flight have settled, with the failure's reason.
+func setStalledCondition(op *ichorv1.TalosOperation) {
+	reason := op.Status.Reason
+	if op.Status.FailureReason != "" {
+		reason = op.Status.FailureReason
+	}
+	setCondition(op, ichorv1.ConditionStalled, stalled(op), reason)
+}
+
+// setReconcilingCondition: True while the operation still moves by itself
+// (neither succeeded nor stalled).
+func setReconcilingCondition(op *ichorv1.TalosOperation) {
+	setCondition(op, ichorv1.ConditionReconciling, op.Status.Phase != ichorv1.PhaseSucceeded && !stalled(op), op.Status.Reason)
 }
 
 func setCondition(op *ichorv1.TalosOperation, conditionType string, ok bool, reason string) {

@@ -6,6 +6,9 @@ import (
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	kstatus "sigs.k8s.io/cli-utils/pkg/kstatus/status"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/preflight"
@@ -89,6 +92,7 @@ var phaseCases = []struct {
 	{"paused by an operator", opIn([]ichorv1.MachinePhase{succeeded, pending}, isStarted, pausedSpec), "", ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, pausedByYou},
 	{"paused by an operator before the start", opIn([]ichorv1.MachinePhase{pending}, pausedSpec, waitingFor("x")), "", ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, pausedByYou},
 	{"failed", opIn([]ichorv1.MachinePhase{succeeded, failed}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal"},
+	{"failed, a reboot still settling", opIn([]ichorv1.MachinePhase{succeeded, failed, inProgress}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal; nothing new starts, and the steps in flight settle first: w2: install"},
 	{"failed twice", opIn([]ichorv1.MachinePhase{succeeded, failed, failed}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal; 2 machines failed: w1,w2"},
 	{"failed and paused, retry waits", opIn([]ichorv1.MachinePhase{failed}, failedWith("EtcdUnhealthy"), pausedSpec, retryAnnotated), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "EtcdUnhealthy on cp (install): rpc error: code = Internal" + retryWaits},
 	{"succeeded", opIn([]ichorv1.MachinePhase{succeeded, skipped}, isStarted), "", ichorv1.PhaseSucceeded, "Succeeded", "talos v1.13.7 done on 2/2 machine(s)"},
@@ -157,10 +161,66 @@ func TestSetProgressingCondition(t *testing.T) {
 	})
 }
 
+func TestSetStalledCondition(t *testing.T) {
+	conditionCase(t, ichorv1.ConditionStalled, map[string]metav1.ConditionStatus{
+		"failed": metav1.ConditionTrue, "failed twice": metav1.ConditionTrue, "failed and paused, retry waits": metav1.ConditionTrue,
+		"refused": metav1.ConditionTrue, "refused, not overridable": metav1.ConditionTrue,
+	})
+}
+
+func TestSetReconcilingCondition(t *testing.T) {
+	want := map[string]metav1.ConditionStatus{}
+	for _, tt := range phaseCases {
+		want[tt.name] = metav1.ConditionTrue
+	}
+	for _, done := range []string{"succeeded", "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable"} {
+		want[done] = metav1.ConditionFalse
+	}
+	conditionCase(t, ichorv1.ConditionReconciling, want)
+}
+
 func TestSetPausedCondition(t *testing.T) {
 	conditionCase(t, ichorv1.ConditionPaused, map[string]metav1.ConditionStatus{
 		"waiting for the lock": metav1.ConditionTrue, "waiting for the lock, read again": metav1.ConditionTrue,
 		"paused by an operator": metav1.ConditionTrue, "paused by an operator before the start": metav1.ConditionTrue,
 		"failed": metav1.ConditionTrue, "failed twice": metav1.ConditionTrue, "failed and paused, retry waits": metav1.ConditionTrue,
+		"failed, a reboot still settling": metav1.ConditionTrue,
 	})
+}
+
+// TestKstatus: kstatus, which Flux and kpt use to wait on objects, reads
+// every state as the specification means it: still moving by itself is
+// InProgress, succeeded is Current, refused or stopped on a failed step is
+// Failed.
+func TestKstatus(t *testing.T) {
+	want := map[string]kstatus.Status{"succeeded": kstatus.CurrentStatus}
+	for _, failed := range []string{"failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable"} {
+		want[failed] = kstatus.FailedStatus
+	}
+	for i, tt := range phaseCases {
+		t.Run(tt.name, func(t *testing.T) {
+			w, ok := want[tt.name]
+			if !ok {
+				w = kstatus.InProgressStatus
+			}
+			if got := kstatusOf(t, derived(t, i)); got.Status != w {
+				t.Errorf("kstatus %s (%s), want %s", got.Status, got.Message, w)
+			}
+		})
+	}
+}
+
+func kstatusOf(t *testing.T, op *ichorv1.TalosOperation) *kstatus.Result {
+	t.Helper()
+	op = op.DeepCopy()
+	op.APIVersion, op.Kind = ichorv1.GroupVersion.String(), "TalosOperation"
+	content, err := runtime.DefaultUnstructuredConverter.ToUnstructured(op)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := kstatus.Compute(&unstructured.Unstructured{Object: content})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
 }
