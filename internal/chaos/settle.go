@@ -55,15 +55,15 @@ func (r *run) settleOps() bool {
 		return true
 	}
 	busy := false
-	offWanted := map[string]bool{} // machines a shutdown or reset in progress leaves off
+	offWanted := map[string]bool{} // machines a shutdown or reset under way leaves off
 	for i := range ops.Items {
 		op := &ops.Items[i]
 		if op.Succeeded() && op.DeletionTimestamp.IsZero() {
 			continue
 		}
 		busy = true
-		if n := op.Spec.Node; n != nil && (n.Action == ichorv1.NodeShutdown || n.Action == ichorv1.NodeReset) {
-			offWanted[n.Machine] = true
+		if n := op.Spec.Node; n != nil && (n.Action == ichorv1.NodeShutdown || n.Action == ichorv1.NodeReset) && op.Status.FailureReason == "" {
+			offWanted[n.Machine] = true // one that failed (its machine was off already, say) is retried with the machine on
 		}
 		if !op.DeletionTimestamp.IsZero() {
 			continue
