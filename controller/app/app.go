@@ -7,10 +7,10 @@ package app
 import (
 	"context"
 	"fmt"
-	"net"
 	"time"
 
 	"github.com/go-logr/logr"
+	"google.golang.org/grpc"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -65,9 +65,10 @@ type Options struct {
 	// Executors overrides the kinds carried out (tests); nil means executor.Default().
 	Executors executor.Registry
 	Log       logr.Logger
-	// TalosDialer, when set, opens the controller's connections to the
-	// Talos API; nil dials TCP. Tests cut them to kill a controller hard.
-	TalosDialer func(ctx context.Context, address string) (net.Conn, error)
+	// TalosDialOptions are added to the Talos client's gRPC dial options.
+	// Tests dial through a switch they cut to kill a controller hard, and
+	// watch the calls it makes.
+	TalosDialOptions []grpc.DialOption
 	// TestHookAfterRun is operation.Reconciler.TestHookAfterRun: called
 	// after a Run step returns, before status records it. Nil in production.
 	TestHookAfterRun func(operation.StepRun)
@@ -115,7 +116,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	}
 	lk := &lock.Lock{Client: mgr.GetClient(), Namespace: o.Namespace,
 		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
-	conn := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, Dialer: o.TalosDialer}
+	conn := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
 	// The Talos client closes with the manager, once the steps using it end.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
 		<-ctx.Done()

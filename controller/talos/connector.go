@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"sync"
 
 	"google.golang.org/grpc"
@@ -43,9 +42,10 @@ type Connector struct {
 	// Reader reads the Secret (the manager's cache watches just that one).
 	Reader    client.Reader
 	Namespace string
-	// Dialer, when set, opens the connections to the Talos API endpoints
-	// (tests cut them at once to kill a controller hard); nil dials TCP.
-	Dialer func(ctx context.Context, address string) (net.Conn, error)
+	// DialOptions are added to the Talos client's gRPC dial options (tests
+	// dial through a switch they cut to kill a controller hard, and watch
+	// the calls it makes).
+	DialOptions []grpc.DialOption
 
 	mu      sync.Mutex
 	current *conn
@@ -146,8 +146,8 @@ func (c *Connector) newClient(ctx context.Context, data []byte) (*talosclient.Cl
 		return nil, fmt.Errorf("not a talosconfig: %w", err)
 	}
 	opts := []talosclient.OptionFunc{talosclient.WithConfig(cfg)}
-	if c.Dialer != nil {
-		opts = append(opts, talosclient.WithGRPCDialOptions(grpc.WithContextDialer(c.Dialer)))
+	if len(c.DialOptions) > 0 {
+		opts = append(opts, talosclient.WithGRPCDialOptions(c.DialOptions...))
 	}
 	cl, err := talosclient.New(ctx, opts...)
 	if err != nil {

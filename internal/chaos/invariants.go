@@ -64,17 +64,19 @@ var Invariants = []Invariant{
 }
 
 // Check runs every invariant on h and returns the violations in the order
-// they happened, each once.
+// they happened, each once: when it first broke, as it stands last.
 func Check(h *History) []Violation {
 	var out []Violation
-	seen := map[string]bool{}
+	seen := map[string]int{}
 	for _, inv := range Invariants {
 		for _, v := range inv.Check(h) {
 			v.Invariant = inv.Name
-			if key := v.key(); !seen[key] {
-				seen[key] = true
-				out = append(out, v)
+			if i, ok := seen[v.key()]; ok {
+				out[i].What = v.What
+				continue
 			}
+			seen[v.key()] = len(out)
+			out = append(out, v)
 		}
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].At.Before(out[j].At) })
@@ -217,7 +219,7 @@ func checkAtMostOnce(h *History) []Violation {
 			allowed += h.attempts(op, c.Machine)
 		}
 		if int32(count[k]) > allowed {
-			out = append(out, Violation{At: c.At, What: fmt.Sprintf("%s accepted %s %d times under %s, which ran it in %d attempt(s)",
+			out = append(out, Violation{At: c.At, Key: fmt.Sprint(k), What: fmt.Sprintf("%s accepted %s %d times under %s, which ran it in %d attempt(s)",
 				c.Machine, c.Method, count[k], holder, allowed)})
 		}
 	}

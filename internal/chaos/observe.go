@@ -269,6 +269,33 @@ func (o *observer) snapshot(h *History) {
 	}
 }
 
+// holderAttempt is the lock's holder as last seen, and the attempt its
+// operation (if it is one) is at on machine.
+func (o *observer) holderAttempt(machine string) (string, int32) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	holder := ""
+	if n := len(o.changes); n > 0 {
+		holder = o.changes[n-1].Holder
+	}
+	id, err := ichorv1.ParseLockHolder(holder)
+	if err != nil {
+		return holder, 0
+	}
+	var attempt int32
+	for name, vs := range o.ops {
+		if name != id.Name && (id.Kind != ichorv1.HolderMachine || len(vs) == 0 || vs[len(vs)-1].Machine != id.Name) {
+			continue
+		}
+		for _, m := range vs[len(vs)-1].Machines {
+			if m.Name == machine && m.Attempts > attempt {
+				attempt = m.Attempts
+			}
+		}
+	}
+	return holder, attempt
+}
+
 func (o *observer) leaderChanges() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()

@@ -5,11 +5,14 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -81,6 +84,7 @@ type run struct {
 	mu        sync.Mutex
 	replicas  []*replica
 	gapsDone  map[string]bool
+	byAddr    map[string]string // Talos node address -> machine
 	created   []string
 	deleted   map[string]bool
 	cordoned  map[string]bool
@@ -107,7 +111,7 @@ func Execute(t *testing.T, env *testenv.Env, cfg Config) Result {
 		t: t, env: env, cfg: cfg, ctx: ctx,
 		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5eed)),
 		tl:       &timeline{},
-		gapsDone: map[string]bool{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, seen: map[string]int{},
+		gapsDone: map[string]bool{}, byAddr: map[string]string{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, seen: map[string]int{},
 		roles: map[string]sim.Role{},
 	}
 	r.res.Seed = cfg.Seed
@@ -152,6 +156,9 @@ func (r *run) setUp() {
 		r.roles[m.Name] = m.Role
 	}
 	r.fleet = testcluster.StartFleet(t, env, spec, r.ns)
+	for _, m := range r.fleet.Machines() {
+		r.byAddr[m.Address()] = m.Name()
+	}
 	r.layout = Layout(r.cfg.Seed, spec)
 	for g, machines := range r.layout.Groups {
 		for _, m := range machines {
@@ -206,6 +213,7 @@ func (r *run) startReplica() {
 		Namespace: r.ctrlNS, LeaderElection: true,
 		LeaseDuration: 2 * time.Second, RenewDeadline: 1500 * time.Millisecond, RetryPeriod: 200 * time.Millisecond,
 		TestHookAfterRun: func(s operation.StepRun) { r.afterRun(rep, s) },
+		TalosDialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(r.afterCall(rep))},
 	}
 	ctl := testcluster.StartKillable(r.t, r.env.Config, o)
 	r.mu.Lock()
@@ -215,8 +223,49 @@ func (r *run) startReplica() {
 	r.tl.add(time.Now(), "replica %d started", rep.id)
 }
 
-// afterRun kills the replica in the gap between an irreversible call and
-// its status write, once per step and attempt.
+// afterCall kills the replica right after a machine has accepted an
+// irreversible call from it, before anything is written about it: the gap
+// in which a controller that dies leaves a call its successor cannot see
+// in status. It kills once per lock holder, machine, call and attempt (as
+// far as the campaign has seen it): a controller that sends the call again
+// after each restart would otherwise never get past it.
+func (r *run) afterCall(rep *replica) grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		short := shortMethod(method)
+		if err != nil || !r.cfg.Gaps || !slices.Contains(irreversible, short) {
+			return err
+		}
+		md, _ := metadata.FromOutgoingContext(ctx)
+		node := strings.Join(md.Get("node"), ",")
+		if m := r.byAddr[node]; m != "" {
+			node = m
+		}
+		holder, attempt := r.obs.holderAttempt(node)
+		key := fmt.Sprintf("call %s %s %s %d", holder, node, short, attempt)
+		r.mu.Lock()
+		done := r.gapsDone[key]
+		r.gapsDone[key] = true
+		r.mu.Unlock()
+		if !done && r.kill(rep, fmt.Sprintf("right after %s accepted %s, before status records it", node, short)) {
+			r.mu.Lock()
+			r.res.GapKills++
+			r.mu.Unlock()
+		}
+		return err
+	}
+}
+
+// shortMethod turns "/machine.MachineService/Reboot" into "MachineService/Reboot",
+// as the simulator's recorder names calls.
+func shortMethod(full string) string {
+	svc, method, _ := strings.Cut(strings.TrimPrefix(full, "/"), "/")
+	return svc[strings.LastIndex(svc, ".")+1:] + "/" + method
+}
+
+// afterRun kills the replica in the gap between an irreversible step's end
+// and its status write, once per step and attempt: after afterCall, or
+// when the step decided it had nothing to send.
 func (r *run) afterRun(rep *replica, s operation.StepRun) {
 	if !r.cfg.Gaps || !slices.Contains(irreversibleSteps, s.Step) {
 		return

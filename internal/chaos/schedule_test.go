@@ -109,3 +109,15 @@ func TestPlan(t *testing.T) {
 		}
 	}
 }
+
+// TestShortMethod: the gap kills name calls as the simulator's recorder does.
+func TestShortMethod(t *testing.T) {
+	for full, want := range map[string]string{
+		"/machine.MachineService/Reboot":    "MachineService/Reboot",
+		"/machine.LifecycleService/Upgrade": "LifecycleService/Upgrade",
+	} {
+		if got := shortMethod(full); got != want || !slices.Contains(append(irreversible, "LifecycleService/Upgrade"), got) {
+			t.Errorf("shortMethod(%q) = %q, want %q", full, got, want)
+		}
+	}
+}

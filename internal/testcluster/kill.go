@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"google.golang.org/grpc"
 	"k8s.io/client-go/rest"
 
 	"maesh.dev/ichor/controller/app"
@@ -59,7 +60,7 @@ func (s *Switch) DialContext(ctx context.Context, network, address string) (net.
 }
 
 // DialTalos dials a Talos API endpoint through the switch
-// (app.Options.TalosDialer's signature).
+// (grpc.WithContextDialer's signature).
 func (s *Switch) DialTalos(ctx context.Context, address string) (net.Conn, error) {
 	return s.DialContext(ctx, "tcp", address)
 }
@@ -114,7 +115,7 @@ func StartKillable(t testing.TB, cfg *rest.Config, o app.Options) *Controller {
 	sw := NewSwitch()
 	cfg = rest.CopyConfig(cfg)
 	cfg.Dial = sw.DialContext
-	o.TalosDialer = sw.DialTalos
+	o.TalosDialOptions = append(o.TalosDialOptions, grpc.WithContextDialer(sw.DialTalos))
 	c := StartController(t, cfg, o)
 	c.sw = sw
 	go func() {
