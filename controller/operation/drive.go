@@ -41,7 +41,7 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	if out.BootID != "" {
 		m.BootID = out.BootID
 	}
-	m.Message = out.Message
+	m.Message, m.Calls = out.Message, 0
 	next := ""
 	if !out.Done {
 		next = out.Next
@@ -87,7 +87,7 @@ func (t *turn) fail(m *ichorv1.MachineStatus, step string, err error) {
 	if errors.As(err, &se) && se.RetryFrom != "" {
 		m.Step = se.RetryFrom
 	}
-	m.Phase, m.FinishedAt, m.Message = ichorv1.MachineFailed, &t.now, err.Error()
+	m.Phase, m.FinishedAt, m.Message, m.Calls = ichorv1.MachineFailed, &t.now, err.Error(), 0
 	if st := &t.op.Status; st.FailureReason == "" {
 		st.FailureReason = reason
 	}
@@ -175,6 +175,31 @@ func (t *turn) check(ctx context.Context, m *ichorv1.MachineStatus, step executo
 	return left
 }
 
+// countCalls counts, before status is written, each run of an Irreversible
+// step that this turn may launch (MachineStatus.Calls): a run this
+// controller has not counted yet is one more. A new leader that runs the
+// step again so writes 2 or more, and the step knows that an earlier run
+// may have made its call.
+func (t *turn) countCalls() {
+	if !t.canLaunch {
+		return
+	}
+	st := &t.op.Status
+	for i := range st.Machines {
+		m := &st.Machines[i]
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
+			continue
+		}
+		step, ok := findStep(t.exec.Steps(t.op, m), m.Step)
+		k := stepKey{t.key(m.Name), m.Step, m.Attempts}
+		if !ok || !step.Irreversible || t.r.runner.busy(k.machineKey, m.Step, m.Attempts) || t.r.runner.counted(k) == m.Calls && m.Calls > 0 {
+			continue
+		}
+		m.Calls++
+		t.r.runner.count(k, m.Calls)
+	}
+}
+
 // launch starts the Run steps that persisted status (as read, or as this
 // turn wrote it) records as in progress and that are not running or done
 // already.
@@ -198,6 +223,9 @@ func (t *turn) launch(ctx context.Context) {
 		k := t.key(m.Name)
 		if t.r.runner.busy(k, m.Step, m.Attempts) {
 			continue
+		}
+		if step.Irreversible && (m.Calls == 0 || t.r.runner.counted(stepKey{k, m.Step, m.Attempts}) != m.Calls) {
+			continue // its run is not counted in persisted status yet: the next turn counts it
 		}
 		timeout := step.Timeout
 		if timeout == 0 {

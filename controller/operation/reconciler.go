@@ -110,6 +110,7 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 // the written status records.
 func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	result, err := t.decide(ctx)
+	t.countCalls()
 	deriveStatus(t.op, t.now, t.why)
 	t.announce()
 	if werr := t.write(ctx); werr != nil {

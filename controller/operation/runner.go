@@ -24,7 +24,10 @@ type runner struct {
 	jobs    map[machineKey]*job
 	results map[machineKey]result
 	// waits remembers when a Wait step was first seen, for its timeout.
-	waits   map[stepKey]time.Time
+	waits map[stepKey]time.Time
+	// calls remembers, per Irreversible step and attempt, the count of runs
+	// (MachineStatus.Calls) this controller wrote to status to launch it.
+	calls   map[stepKey]int32
 	wg      sync.WaitGroup
 	trigger chan event.GenericEvent
 	now     func() time.Time
@@ -72,6 +75,7 @@ func newRunner(now func() time.Time) *runner {
 		jobs:    map[machineKey]*job{},
 		results: map[machineKey]result{},
 		waits:   map[stepKey]time.Time{},
+		calls:   map[stepKey]int32{},
 		trigger: make(chan event.GenericEvent, 1024),
 		now:     now,
 	}
@@ -178,8 +182,8 @@ func (r *runner) take(k machineKey, step string, attempt int32) (result, bool) {
 	return res, true
 }
 
-// settle drops what status has recorded: results (and wait deadlines) of
-// steps the machine has moved past, according to the persisted status.
+// settle drops what status has recorded: results (and wait deadlines and
+// run counts) of steps the machine has moved past, according to the persisted status.
 func (r *runner) settle(op *ichorv1.TalosOperation) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -196,15 +200,44 @@ func (r *runner) settle(op *ichorv1.TalosOperation) {
 			delete(r.results, k)
 		}
 	}
-	for k := range r.waits {
-		if k.op != op.UID {
-			continue
-		}
+	for k := range r.stepKeys(op.UID) {
 		m, ok := current[k.machine]
 		if !ok || m.Phase != ichorv1.MachineInProgress || m.Step != k.step || m.Attempts != k.attempt {
 			delete(r.waits, k)
+			delete(r.calls, k)
 		}
 	}
+}
+
+// stepKeys are the operation's keys in waits and calls.
+func (r *runner) stepKeys(uid types.UID) map[stepKey]bool {
+	keys := map[stepKey]bool{}
+	for k := range r.waits {
+		if k.op == uid {
+			keys[k] = true
+		}
+	}
+	for k := range r.calls {
+		if k.op == uid {
+			keys[k] = true
+		}
+	}
+	return keys
+}
+
+// counted is the run count this controller wrote to launch an
+// Irreversible step (0 when it wrote none).
+func (r *runner) counted(k stepKey) int32 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.calls[k]
+}
+
+// count remembers the run count written to launch an Irreversible step.
+func (r *runner) count(k stepKey, n int32) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls[k] = n
 }
 
 // waitDeadline returns when a Wait step times out, starting its clock at
@@ -229,9 +262,8 @@ func (r *runner) forget(uid types.UID) {
 			delete(r.results, k)
 		}
 	}
-	for k := range r.waits {
-		if k.op == uid {
-			delete(r.waits, k)
-		}
+	for k := range r.stepKeys(uid) {
+		delete(r.waits, k)
+		delete(r.calls, k)
 	}
 }

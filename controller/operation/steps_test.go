@@ -3,6 +3,8 @@ package operation_test
 import (
 	"context"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,6 +20,9 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -224,4 +229,78 @@ func TestNodeWithoutAddress(t *testing.T) {
 	if n := c.fleet.Recorder().Calls("", "*"); n != 0 {
 		t.Errorf("%d Talos calls for a machine without an address: %v", n, c.fleet.Recorder().CallCounts())
 	}
+}
+
+// TestCallNotSentTwiceAfterACrash: a controller killed between a reset's or
+// shutdown's call and the status write that records it leaves the next
+// controller to run the step again. That one sends nothing more, whether
+// the machine still answers, stopping (Talos keeps answering while it
+// stops), or is already gone: the run count status recorded before the
+// call says it may have been made.
+func TestCallNotSentTwiceAfterACrash(t *testing.T) {
+	tests := []struct {
+		name   string
+		action ichorv1.NodeActionType
+		step   string
+		method string
+		// gone: the next controller starts once the machine is off.
+		gone bool
+	}{
+		{"reset, machine still stopping", ichorv1.NodeReset, "reset", "MachineService/Reset", false},
+		{"reset, machine gone", ichorv1.NodeReset, "reset", "MachineService/Reset", true},
+		{"shutdown, machine still stopping", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", false},
+		{"shutdown, machine gone", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", true},
+		{"reboot, machine gone", ichorv1.NodeReboot, "reboot", "MachineService/Reboot", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := sim.Cluster("", 1, 1)
+			if !tt.gone {
+				// Long enough for the next controller to find it stopping.
+				spec.Durations.Stop = 10 * time.Second
+			}
+			c := newCluster(t, spec)
+			w := c.fleet.Machines()[1]
+			if tt.gone && tt.action == ichorv1.NodeReboot {
+				w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
+			}
+			var first atomic.Pointer[testcluster.Controller]
+			killed := make(chan struct{})
+			var once sync.Once
+			first.Store(c.startKillable(func(s operation.StepRun) {
+				if s.Step == tt.step && s.Err == nil {
+					once.Do(func() { first.Load().Kill(); close(killed) })
+				}
+			}))
+			s := nodeSpec(w.Name(), tt.action)
+			s.Drain = &ichorv1.Drain{Disabled: true}
+			c.create("action", s)
+			select {
+			case <-killed:
+			case <-time.After(time.Minute):
+				t.Fatalf("the %s step never returned", tt.step)
+			}
+			if tt.gone {
+				testenv.Eventually(t, time.Minute, w.Name()+" gone", func(context.Context) (bool, error) { return w.Down(), nil })
+			}
+			c.start()
+			if tt.gone && tt.action == ichorv1.NodeReboot {
+				c.atStep("action", "wait-rebooted")
+				w.ClearFaults()
+			}
+			c.waitSucceeded("action", time.Minute)
+			if n := c.fleet.Recorder().Calls(w.Name(), tt.method); n != 1 {
+				t.Errorf("%d %s calls, want 1", n, tt.method)
+			}
+		})
+	}
+}
+
+// startKillable runs a controller that Kill stops at once, as SIGKILL
+// would, with hook called after each Run step returns and before status
+// records it.
+func (c *cluster) startKillable(hook func(operation.StepRun)) *testcluster.Controller {
+	c.t.Helper()
+	o := app.Options{Namespace: c.ctrlNS, Executors: executor.Default(), TestHookAfterRun: hook}
+	return testcluster.StartKillable(c.t, env.Config, o)
 }
