@@ -12,6 +12,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/preflight"
+	"maesh.dev/ichor/manifests/argocd"
 )
 
 var (
@@ -188,21 +189,26 @@ func TestSetPausedCondition(t *testing.T) {
 	})
 }
 
-// TestKstatus: kstatus, which Flux and kpt use to wait on objects, reads
-// every state as the specification means it: still moving by itself is
-// InProgress, succeeded is Current, refused or stopped on a failed step is
-// Failed.
-func TestKstatus(t *testing.T) {
-	want := map[string]kstatus.Status{"succeeded": kstatus.CurrentStatus}
-	for _, failed := range []string{"failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable"} {
-		want[failed] = kstatus.FailedStatus
+// gitOpsHealth is what kstatus (Flux, kpt) and Argo CD must say of each of
+// phaseCases: still moving by itself is InProgress (Progressing), succeeded
+// is Current (Healthy), refused or stopped on a failed step is Failed
+// (Degraded).
+func gitOpsHealth(name string) (kstatus.Status, string) {
+	switch name {
+	case "succeeded":
+		return kstatus.CurrentStatus, "Healthy"
+	case "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable":
+		return kstatus.FailedStatus, "Degraded"
 	}
+	return kstatus.InProgressStatus, "Progressing"
+}
+
+// TestKstatus: kstatus, which Flux and kpt use to wait on objects, reads
+// every state as the specification means it.
+func TestKstatus(t *testing.T) {
 	for i, tt := range phaseCases {
 		t.Run(tt.name, func(t *testing.T) {
-			w, ok := want[tt.name]
-			if !ok {
-				w = kstatus.InProgressStatus
-			}
+			w, _ := gitOpsHealth(tt.name)
 			if got := kstatusOf(t, derived(t, i)); got.Status != w {
 				t.Errorf("kstatus %s (%s), want %s", got.Status, got.Message, w)
 			}
@@ -210,7 +216,26 @@ func TestKstatus(t *testing.T) {
 	}
 }
 
-func kstatusOf(t *testing.T, op *ichorv1.TalosOperation) *kstatus.Result {
+// TestArgoCDHealth: Argo CD, running manifests/argocd/health.lua, reads
+// every state as kstatus does, with the operation's message.
+func TestArgoCDHealth(t *testing.T) {
+	for i, tt := range phaseCases {
+		t.Run(tt.name, func(t *testing.T) {
+			op := derived(t, i)
+			_, w := gitOpsHealth(tt.name)
+			got, err := argocd.Check(unstructuredOf(t, op))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Status != w || got.Message != op.Status.Message {
+				t.Errorf("Argo CD health %s %q, want %s %q", got.Status, got.Message, w, op.Status.Message)
+			}
+		})
+	}
+}
+
+// unstructuredOf is the operation as the API server serves it.
+func unstructuredOf(t *testing.T, op *ichorv1.TalosOperation) map[string]any {
 	t.Helper()
 	op = op.DeepCopy()
 	op.APIVersion, op.Kind = ichorv1.GroupVersion.String(), "TalosOperation"
@@ -218,7 +243,12 @@ func kstatusOf(t *testing.T, op *ichorv1.TalosOperation) *kstatus.Result {
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := kstatus.Compute(&unstructured.Unstructured{Object: content})
+	return content
+}
+
+func kstatusOf(t *testing.T, op *ichorv1.TalosOperation) *kstatus.Result {
+	t.Helper()
+	res, err := kstatus.Compute(&unstructured.Unstructured{Object: unstructuredOf(t, op)})
 	if err != nil {
 		t.Fatal(err)
 	}
