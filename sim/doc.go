@@ -149,13 +149,54 @@
 // talos.dev/owned-labels, -annotations and -taints, so that what the
 // configuration drops is removed and what someone else set is left alone;
 // InternalIP = the machine's address; Ready, nodeInfo.osImage "Talos (vX)",
-// kubeletVersion, bootID; status through the status subresource. The Node
-// goes Unknown (NotReady) while the machine is down and Ready when it is
-// back. Each machine plays its kubelet's part for the pods bound to its Node,
-// as kwok does: a pod being deleted (also after an eviction) is removed once
-// min(its grace period, Durations.PodGrace) has passed, or when the machine
-// is back if it was down. This is watch-driven (one Node informer, one Pod
-// informer per fleet), so kubectl drain and k8s.io/kubectl/pkg/drain finish.
+// kubeletVersion, bootID; status through the status subresource. As the
+// machine goes down the Node turns NotReady (Ready False, "node is shutting
+// down", as the kubelet's graceful node shutdown that Talos configures posts
+// it) and Ready when it is back. With Kubelet.NodeLease the machine renews
+// its Node Lease (kube-node-lease, owned by the Node) every quarter of that
+// while it is up, with kwok's NodeLeaseController, and not while it is
+// down: the real node-lifecycle controller then marks a machine that stays
+// down Unknown and taints it unreachable. Without Leases, run no
+// node-lifecycle controller.
+//
+// # Kubelets
+//
+// Each machine plays its kubelet for the pods bound to its Node (one Pod
+// informer per fleet; timers only for what a container does). A pod starts
+// when bound: a pod IP (10.A.B.C from the machine's index; the machine's
+// address with hostNetwork), its init containers one after another, then
+// its containers, Running, and Ready (with ContainersReady, Initialized and
+// PodReadyToStartContainers) after Durations.PodReady. While its machine is
+// down a pod is NotReady and its containers show terminated (exit 255,
+// "Unknown"); after the boot they start again from the first init
+// container, each with its restart count up (a restartPolicy Never pod
+// whose containers died with the machine fails instead). A reset removes
+// every pod bound to the machine. A pod being deleted (also after an
+// eviction) gets SIGTERM and is removed once min(its grace period,
+// Durations.PodGrace) has passed, or when its machine is back if it was
+// down; so kubectl drain and k8s.io/kubectl/pkg/drain finish.
+//
+// A container whose image matches a pattern of Kubelet.Binaries runs that
+// binary as a local process (in its own process group, in a directory under
+// Kubelet.Dir): the container's command (whose first word must name the
+// binary) and args, with $(VAR) expanded, and its environment: env and
+// envFrom, the downward API (metadata.name, .namespace, .uid, .labels['k'],
+// .annotations['k'], spec.nodeName, spec.serviceAccountName, status.hostIP,
+// status.podIP; resourceFieldRef), ConfigMap and Secret keys; and
+// KUBECONFIG, a kubeconfig for Spec.APIServer whose token the TokenRequest
+// API issued for the pod's ServiceAccount, bound to the pod (one hour, not
+// renewed), so the process has the pod's own RBAC. Its exit code is the
+// container's (128+signal when killed; 128 "StartError" when it cannot
+// start); with terminationMessagePolicy FallbackToLogsOnError the end of its
+// output is the termination message. Other images run until deleted,
+// except a Job's pod, which exits after Durations.JobPod. Then
+// restartPolicy decides: Always restarts the container, OnFailure restarts
+// it on a non-zero exit, otherwise the pod ends Succeeded (every container
+// exited 0) or Failed. Annotations on a pod change this:
+//
+//	sim.ichor.maesh.dev/ready-after: 2s  how long its containers take to be ready (ReadyAfterAnnotation)
+//	sim.ichor.maesh.dev/run-for: 30s     its containers exit after this long (RunForAnnotation)
+//	sim.ichor.maesh.dev/exit-code: 3     with this exit code (ExitCodeAnnotation, default 0)
 //
 // # Faults
 //

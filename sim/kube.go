@@ -32,25 +32,29 @@ type kube struct {
 	nodes  cache.SharedIndexInformer
 	pods   cache.SharedIndexInformer
 
-	mu        sync.Mutex
-	scheduled map[types.UID]bool
-	ready     map[string]bool   // last Ready written per Node
-	faultAnn  map[string]string // last fault annotation seen per Node
-	podsGone  chan struct{}     // closed and replaced when a pod goes away
+	// kubelet runs the pods bound to the fleet's Nodes; leases renews
+	// their Node Leases (nil without Kubelet.NodeLease).
+	kubelet *kubelet
+	leases  *leases
+
+	mu       sync.Mutex
+	ready    map[string]bool   // last Ready written per Node
+	faultAnn map[string]string // last fault annotation seen per Node
+	podsGone chan struct{}     // closed and replaced when a pod goes away
 }
 
 const podNodeIndex = "node"
 
 func startKube(ctx context.Context, f *Fleet, cs kubernetes.Interface) (*kube, error) {
 	k := &kube{
-		f:         f,
-		cs:        cs,
-		stopCh:    make(chan struct{}),
-		scheduled: map[types.UID]bool{},
-		ready:     map[string]bool{},
-		faultAnn:  map[string]string{},
-		podsGone:  make(chan struct{}),
+		f:        f,
+		cs:       cs,
+		stopCh:   make(chan struct{}),
+		ready:    map[string]bool{},
+		faultAnn: map[string]string{},
+		podsGone: make(chan struct{}),
 	}
+	k.kubelet = newKubelet(k)
 	nodeFactory := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 		o.LabelSelector = FleetLabel + "=" + f.spec.Name
 	}))
@@ -73,7 +77,7 @@ func startKube(ctx context.Context, f *Fleet, cs kubernetes.Interface) (*kube, e
 	if _, err := k.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    k.podChanged,
 		UpdateFunc: func(_, obj any) { k.podChanged(obj) },
-		DeleteFunc: func(any) { k.podDeleted() },
+		DeleteFunc: k.podDeleted,
 	}); err != nil {
 		return nil, err
 	}
@@ -83,10 +87,21 @@ func startKube(ctx context.Context, f *Fleet, cs kubernetes.Interface) (*kube, e
 		close(k.stopCh)
 		return nil, fmt.Errorf("sync Node and Pod informers: %w", ctx.Err())
 	}
+	if f.spec.Kubelet.NodeLease > 0 {
+		l, err := startLeases(ctx, k)
+		if err != nil {
+			close(k.stopCh)
+			return nil, err
+		}
+		k.leases = l
+	}
 	return k, nil
 }
 
-func (k *kube) stop() { close(k.stopCh) }
+func (k *kube) stop() {
+	close(k.stopCh)
+	k.kubelet.stopAll()
+}
 
 func (k *kube) ctx() (context.Context, context.CancelFunc) {
 	return context.WithTimeout(k.f.ctx, 30*time.Second)
@@ -114,7 +129,13 @@ func (k *kube) registerAll(ctx context.Context) error {
 	close(work)
 	wg.Wait()
 	close(errs)
-	return <-errs
+	if err := <-errs; err != nil {
+		return err
+	}
+	for _, m := range k.f.machines {
+		k.kubeletStarted(m)
+	}
+	return nil
 }
 
 // register creates the machine's Node as its kubelet registers it: Ready,
@@ -190,8 +211,7 @@ func runningStatus(m *Machine) corev1.NodeStatus {
 }
 
 // writeStatus writes the Node's status as the kubelet posts it: Ready (or
-// Unknown, as the node lifecycle controller marks a silent kubelet),
-// addresses and nodeInfo.
+// not, as the machine goes down), addresses and nodeInfo.
 func (k *kube) writeStatus(ctx context.Context, m *Machine, ready, force bool) error {
 	k.mu.Lock()
 	was, known := k.ready[m.Name()]
@@ -203,7 +223,10 @@ func (k *kube) writeStatus(ctx context.Context, m *Machine, ready, force bool) e
 		"lastHeartbeatTime": now,
 	}
 	if !ready {
-		cond["status"], cond["reason"], cond["message"] = "Unknown", "NodeStatusUnknown", "Kubelet stopped posting node status."
+		// What the kubelet's graceful node shutdown (Talos configures it)
+		// posts as the machine goes down. Once its Lease has expired, the
+		// node-lifecycle controller marks the Node Unknown.
+		cond["status"], cond["reason"], cond["message"] = "False", "KubeletNotReady", "node is shutting down"
 	}
 	if force || !known || was != ready {
 		cond["lastTransitionTime"] = now
@@ -227,6 +250,8 @@ func (k *kube) nodeDown(m *Machine) {
 	if k == nil {
 		return
 	}
+	k.leases.down(m)
+	k.kubelet.down(m)
 	ctx, cancel := k.ctx()
 	defer cancel()
 	if err := k.writeStatus(ctx, m, false, false); err != nil {
@@ -247,18 +272,6 @@ func (k *kube) nodeUp(m *Machine) {
 	}
 	if err := k.uncordon(ctx, m); err != nil {
 		k.f.logf("%s: uncordon: %v", m.Name(), err)
-	}
-}
-
-// resumePods finishes the pods deleted while the machine was down.
-func (k *kube) resumePods(m *Machine) {
-	if k == nil {
-		return
-	}
-	for _, pod := range k.podsOn(m) {
-		if pod.DeletionTimestamp != nil {
-			k.schedule(m, pod)
-		}
 	}
 }
 
@@ -378,67 +391,6 @@ func (k *kube) podsOn(m *Machine) []*corev1.Pod {
 		pods = append(pods, o.(*corev1.Pod))
 	}
 	return pods
-}
-
-// podChanged plays the kubelet's part, as kwok does: a pod being deleted
-// (deletionTimestamp set, also after an eviction) on one of the fleet's
-// Nodes is removed once its grace period (at most Durations.PodGrace) ends.
-func (k *kube) podChanged(obj any) {
-	pod, ok := obj.(*corev1.Pod)
-	if !ok || pod.DeletionTimestamp == nil {
-		return
-	}
-	if m := k.f.byName[pod.Spec.NodeName]; m != nil {
-		k.schedule(m, pod)
-	}
-}
-
-func (k *kube) podDeleted() {
-	k.mu.Lock()
-	close(k.podsGone)
-	k.podsGone = make(chan struct{})
-	k.mu.Unlock()
-}
-
-func (k *kube) schedule(m *Machine, pod *corev1.Pod) {
-	k.mu.Lock()
-	if k.scheduled[pod.UID] {
-		k.mu.Unlock()
-		return
-	}
-	k.scheduled[pod.UID] = true
-	k.mu.Unlock()
-	grace := k.f.spec.Durations.PodGrace
-	if s := pod.DeletionGracePeriodSeconds; s != nil && time.Duration(*s)*time.Second < grace {
-		grace = time.Duration(*s) * time.Second
-	}
-	time.AfterFunc(grace, func() { k.removePod(m, pod) })
-}
-
-// removePod deletes a terminating pod for good. A machine that is down
-// does it when it is back (nodeUp), as a kubelet would.
-func (k *kube) removePod(m *Machine, pod *corev1.Pod) {
-	unschedule := func() {
-		k.mu.Lock()
-		delete(k.scheduled, pod.UID)
-		k.mu.Unlock()
-	}
-	if k.f.ctx.Err() != nil || m.Down() {
-		unschedule()
-		return
-	}
-	ctx, cancel := k.ctx()
-	defer cancel()
-	zero := int64(0)
-	err := k.cs.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
-		GracePeriodSeconds: &zero,
-		Preconditions:      &metav1.Preconditions{UID: &pod.UID},
-	})
-	unschedule()
-	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) && k.f.ctx.Err() == nil {
-		k.f.logf("%s: remove pod %s/%s: %v (retrying)", m.Name(), pod.Namespace, pod.Name, err)
-		time.AfterFunc(k.f.spec.Durations.PodGrace, func() { k.schedule(m, pod) })
-	}
 }
 
 // nodeChanged applies the fault annotation of one of the fleet's Nodes. An

@@ -548,6 +548,7 @@ func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
 	if p.wipeEtcd && m.spec.Role == ControlPlane {
 		m.f.etcd.wipe(m)
 	}
+	m.f.kube.resetPods(ctx, m)
 	m.goDown(actor)
 	if !p.reboot {
 		if m.powerOff(ctx) != nil {

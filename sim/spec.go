@@ -8,6 +8,7 @@ import (
 
 	"github.com/blang/semver/v4"
 	"github.com/siderolabs/talos/pkg/machinery/compatibility"
+	"k8s.io/client-go/rest"
 )
 
 // Role is a machine's role in the cluster.
@@ -45,6 +46,30 @@ type Spec struct {
 	// Logf, when set, receives one line per notable event (sequences,
 	// faults, errors of the simulated kubelet). Tests pass t.Logf.
 	Logf func(format string, args ...any)
+	// APIServer is the cluster's API server as its admin reaches it (host,
+	// CA, credentials): a control plane's Kubeconfig call returns a
+	// kubeconfig for it, and pods that run a binary reach it at its host
+	// with its CA, as their ServiceAccount. Optional.
+	APIServer *rest.Config
+	// Kubelet says how the machines play their kubelets.
+	Kubelet Kubelet
+}
+
+// Kubelet configures the machines' kubelets (see the package
+// documentation, "Kubelets").
+type Kubelet struct {
+	// NodeLease is how long a machine's Node Lease lasts (rounded up to
+	// whole seconds); the machine renews it every quarter of that while it
+	// is up. Zero means no Leases: then run no node-lifecycle controller,
+	// which would mark every Node NotReady. Talos's kubelets use 40s.
+	NodeLease time.Duration
+	// Binaries maps image patterns (path.Match syntax, like
+	// "ghcr.io/maesh-dev/ichor-controller:*") to local executables: a
+	// container whose image matches runs that executable as a process.
+	Binaries map[string]string
+	// Dir holds the files of those processes (kubeconfig, token, output);
+	// empty means a temporary directory that Stop removes.
+	Dir string
 }
 
 // MachineSpec describes one machine.
@@ -102,6 +127,12 @@ type Durations struct {
 	// NodeReady is how long the Node of a joining machine stays NotReady
 	// after its kubelet registers it (the CNI starting on it).
 	NodeReady time.Duration
+	// PodReady is how long a started container takes to become ready
+	// (the pod annotation sim.ichor.maesh.dev/ready-after overrides it).
+	PodReady time.Duration
+	// JobPod is how long the containers of a Job's pod run when their image
+	// is not one of Kubelet.Binaries (sim.ichor.maesh.dev/run-for overrides it).
+	JobPod time.Duration
 }
 
 // DefaultDurations are the test defaults.
@@ -115,6 +146,8 @@ func DefaultDurations() Durations {
 		PodGrace:       10 * time.Millisecond,
 		DrainTimeout:   10 * time.Second,
 		NodeReady:      20 * time.Millisecond,
+		PodReady:       10 * time.Millisecond,
+		JobPod:         50 * time.Millisecond,
 	}
 }
 
@@ -124,6 +157,7 @@ func (d Durations) withDefaults() Durations {
 		{&d.Stop, &def.Stop}, {&d.Reboot, &def.Reboot}, {&d.Install, &def.Install},
 		{&d.ImagePull, &def.ImagePull}, {&d.KubeletRestart, &def.KubeletRestart},
 		{&d.PodGrace, &def.PodGrace}, {&d.DrainTimeout, &def.DrainTimeout}, {&d.NodeReady, &def.NodeReady},
+		{&d.PodReady, &def.PodReady}, {&d.JobPod, &def.JobPod},
 	} {
 		if *f.v <= 0 {
 			*f.v = *f.def
@@ -211,6 +245,7 @@ func (s Spec) validate() (Spec, error) {
 			}
 		}
 	}
+	errs = append(errs, s.Kubelet.validate()...)
 	if controlPlanes == joining {
 		errs = append(errs, errors.New("a fleet needs at least one control plane that does not join later: the control planes serve the Talos API endpoints"))
 	}

@@ -6,13 +6,22 @@
 // Nodes are cluster-scoped and the controller sees every Node, so tests
 // that use a fleet run one after another in a package; each removes its
 // Nodes and operations when it ends.
+//
+// With testenv's Components the world is a working cluster: the fleet's
+// machines run the pods the real controllers make and the real scheduler
+// binds, and IchorBinaries lets pods of Ichor's image run the real
+// ichor-controller binary.
 package testcluster
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,8 +40,11 @@ import (
 )
 
 // StartFleet starts a fleet whose Nodes live in env, named after opsNS when
-// spec has no name, logging to the test unless spec has a Logf. When the test ends it deletes the operations in opsNS,
-// stops the fleet and waits until its Nodes are gone.
+// spec has no name, logging to the test unless spec has a Logf, with
+// env's API server as the cluster's (Kubeconfig calls, processes of pods)
+// and, where env runs the node-lifecycle controller, Node Leases. When the
+// test ends it deletes the operations in opsNS, stops the fleet and waits
+// until its Nodes are gone.
 func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *sim.Fleet {
 	t.Helper()
 	if spec.Name == "" {
@@ -41,6 +53,13 @@ func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *si
 	}
 	if spec.Logf == nil {
 		spec.Logf = t.Logf
+	}
+	if spec.APIServer == nil {
+		spec.APIServer = env.Config
+	}
+	if env.NodeLifecycle() && spec.Kubelet.NodeLease == 0 {
+		// The node-lifecycle controller would mark Nodes without Leases NotReady.
+		spec.Kubelet.NodeLease = testenv.NodeLease
 	}
 	fleet, err := sim.Start(context.Background(), spec, env.Kube)
 	if err != nil {
@@ -170,4 +189,33 @@ type testWriter struct{ t testing.TB }
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
+}
+
+// IchorImage matches Ichor's controller image at any tag, as
+// sim.Kubelet.Binaries takes it.
+const IchorImage = "ghcr.io/maesh-dev/ichor-controller:*"
+
+var ichorBinary struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+// IchorBinaries builds ichor-controller (once per test binary, into env's
+// directory) and maps Ichor's image to it, for sim.Kubelet.Binaries: pods
+// of that image run the real binary.
+func IchorBinaries(t testing.TB, env *testenv.Env) map[string]string {
+	t.Helper()
+	b := &ichorBinary
+	b.once.Do(func() {
+		b.path = filepath.Join(env.Dir(), "ichor-controller")
+		out, err := exec.Command("go", "build", "-o", b.path, "maesh.dev/ichor/controller").CombinedOutput()
+		if err != nil {
+			b.err = fmt.Errorf("build ichor-controller: %w\n%s", err, out)
+		}
+	})
+	if b.err != nil {
+		t.Fatal(b.err)
+	}
+	return map[string]string{IchorImage: b.path}
 }

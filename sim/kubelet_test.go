@@ -1,0 +1,312 @@
+package sim_test
+
+import (
+	"context"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// waitPod waits until the pod satisfies cond and returns it.
+func waitPod(t *testing.T, ns, name, what string, cond func(*corev1.Pod) bool) *corev1.Pod {
+	t.Helper()
+	var last *corev1.Pod
+	defer func() {
+		if t.Failed() && last != nil {
+			t.Logf("pod %s last seen: phase %s, conditions %+v, containers %+v", name, last.Status.Phase, last.Status.Conditions, last.Status.ContainerStatuses)
+		}
+	}()
+	testenv.Eventually(t, 30*time.Second, "pod "+name+" "+what, func(ctx context.Context) (bool, error) {
+		p, err := env.Kube.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		last = p
+		return cond(p), nil
+	})
+	return last
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func annotate(pod *corev1.Pod, kv ...string) {
+	if pod.Annotations == nil {
+		pod.Annotations = map[string]string{}
+	}
+	for i := 0; i+1 < len(kv); i += 2 {
+		pod.Annotations[kv[i]] = kv[i+1]
+	}
+}
+
+func createPod(t *testing.T, pod *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	created, err := env.Kube.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod %s: %v", pod.Name, err)
+	}
+	return created
+}
+
+func plainPod(ns, name, nodeName string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.PodSpec{
+			NodeName:                     nodeName,
+			AutomountServiceAccountToken: ptr.To(false),
+			Containers:                   []corev1.Container{{Name: "c", Image: "registry.k8s.io/pause:3.10"}},
+		},
+	}
+}
+
+// TestPodsRun: a pod bound to a machine's Node starts (an IP from the
+// machine, a running container), becomes Ready after its readiness delay,
+// goes NotReady with its container dead while the machine is down, and
+// comes back Ready with its restart count up after the machine boots.
+func TestPodsRun(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 1))
+	w := f.Machines()[1]
+	ns := namespace(t)
+	pod := plainPod(ns, "web", w.Name())
+	annotate(pod, sim.ReadyAfterAnnotation, "1s")
+	createPod(t, pod)
+
+	running := waitPod(t, ns, "web", "Running", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodRunning })
+	if podReady(running) {
+		t.Error("Ready before its readiness delay")
+	}
+	if running.Status.HostIP != w.Address() || net.ParseIP(running.Status.PodIP) == nil || running.Status.PodIP == w.Address() {
+		t.Errorf("hostIP %q podIP %q; want the machine's address and a pod IP of its own", running.Status.HostIP, running.Status.PodIP)
+	}
+	cs := running.Status.ContainerStatuses
+	if len(cs) != 1 || cs[0].State.Running == nil || !strings.HasPrefix(cs[0].ContainerID, "containerd://") || cs[0].RestartCount != 0 {
+		t.Errorf("container status %+v", cs)
+	}
+	waitPod(t, ns, "web", "Ready", podReady)
+
+	release := w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
+	before := w.BootID()
+	if err := talos(t, f).Reboot(on(w)); err != nil {
+		t.Fatal(err)
+	}
+	down := waitPod(t, ns, "web", "NotReady while its machine is down", func(p *corev1.Pod) bool { return !podReady(p) })
+	if !w.Down() {
+		t.Fatal("the pod went NotReady while its machine was up")
+	}
+	if s := down.Status.ContainerStatuses[0].State.Terminated; s == nil || s.ExitCode != 255 {
+		t.Errorf("container of a down machine: %+v", down.Status.ContainerStatuses[0].State)
+	}
+	release()
+	waitRebooted(t, w, before)
+	back := waitPod(t, ns, "web", "Ready again", podReady)
+	c := back.Status.ContainerStatuses[0]
+	if c.RestartCount != 1 || c.LastTerminationState.Terminated == nil || c.LastTerminationState.Terminated.ExitCode != 255 || c.State.Running == nil {
+		t.Errorf("after the boot: restarts %d, last state %+v, state %+v", c.RestartCount, c.LastTerminationState, c.State)
+	}
+}
+
+// TestPodsEnd: how containers without a binary end: a Job's pod completes
+// after the default delay, annotations change the delay and the exit code,
+// and restartPolicy decides between the pod's end and a restart.
+func TestPodsEnd(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 1))
+	w := f.Machines()[1]
+	ns := namespace(t)
+	job := plainPod(ns, "job", w.Name())
+	job.Spec.RestartPolicy = corev1.RestartPolicyNever
+	job.OwnerReferences = []metav1.OwnerReference{{APIVersion: "batch/v1", Kind: "Job", Name: "job", UID: "job-uid", Controller: ptr.To(true)}}
+	failing := plainPod(ns, "failing", w.Name())
+	failing.Spec.RestartPolicy = corev1.RestartPolicyNever
+	annotate(failing, sim.RunForAnnotation, "100ms", sim.ExitCodeAnnotation, "3")
+	crashing := plainPod(ns, "crashing", w.Name())
+	annotate(crashing, sim.RunForAnnotation, "100ms", sim.ExitCodeAnnotation, "1")
+	forever := plainPod(ns, "forever", w.Name())
+	for _, p := range []*corev1.Pod{job, failing, crashing, forever} {
+		createPod(t, p)
+	}
+
+	got := waitPod(t, ns, "job", "Succeeded", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodSucceeded })
+	if s := got.Status.ContainerStatuses[0].State.Terminated; s == nil || s.ExitCode != 0 || s.Reason != "Completed" {
+		t.Errorf("a Job's pod ends with %+v", got.Status.ContainerStatuses[0].State)
+	}
+	got = waitPod(t, ns, "failing", "Failed", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodFailed })
+	if s := got.Status.ContainerStatuses[0].State.Terminated; s == nil || s.ExitCode != 3 || s.Reason != "Error" {
+		t.Errorf("exit-code 3 ends with %+v", got.Status.ContainerStatuses[0].State)
+	}
+	waitPod(t, ns, "crashing", "restarted twice (restartPolicy Always)", func(p *corev1.Pod) bool {
+		return p.Status.Phase == corev1.PodRunning && p.Status.ContainerStatuses[0].RestartCount >= 2
+	})
+	if p := waitPod(t, ns, "forever", "Ready", podReady); p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 {
+		t.Errorf("a pod without run-for: phase %s, restarts %d", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount)
+	}
+}
+
+// TestPodsGoWithAReset: a reset wipes what ran on the machine, so its pods
+// are gone from the API server, while another machine's stay.
+func TestPodsGoWithAReset(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 2))
+	w1, w2 := f.Machines()[1], f.Machines()[2]
+	ns := namespace(t)
+	gone := createPod(t, plainPod(ns, "on-reset", w1.Name()))
+	kept := createPod(t, plainPod(ns, "elsewhere", w2.Name()))
+	waitPod(t, ns, gone.Name, "Ready", podReady)
+	before := w1.BootID()
+	if err := talos(t, f).Reset(on(w1), false, true); err != nil {
+		t.Fatal(err)
+	}
+	waitPodGone(t, gone)
+	waitRebooted(t, w1, before)
+	if !podExists(t, kept) {
+		t.Fatal("a reset removed another machine's pod")
+	}
+}
+
+// TestPodsRunBinaries: containers whose image maps to a binary run it as a
+// process: init containers first, in order, then the container, each with
+// its command, args and environment (downward API included) and a
+// kubeconfig for the pod's ServiceAccount, whose RBAC is the pod's own;
+// the exit code is the container's. The binary is the real kubectl.
+func TestPodsRunBinaries(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.APIServer = env.Config
+	spec.Kubelet.Binaries = map[string]string{"example.com/kubectl:*": testenv.Kubectl}
+	f := start(t, spec)
+	w := f.Machines()[1]
+	ns := namespace(t)
+	ctx := context.Background()
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "writer"}}
+	if _, err := env.Kube.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	kubectlPod := func(name, sa string, init [][]string, args ...string) *corev1.Pod {
+		p := plainPod(ns, name, w.Name())
+		p.Spec.ServiceAccountName = sa
+		p.Spec.RestartPolicy = corev1.RestartPolicyNever
+		c := corev1.Container{
+			Name: "main", Image: "example.com/kubectl:v1.32", Command: []string{"/usr/bin/kubectl"}, Args: args,
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+			Env: []corev1.EnvVar{
+				{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},
+				{Name: "NODE", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "spec.nodeName"}}},
+			},
+		}
+		p.Spec.Containers = []corev1.Container{c}
+		for i, a := range init {
+			ic := c
+			ic.Name, ic.Args = "init-"+string(rune('a'+i)), a
+			p.Spec.InitContainers = append(p.Spec.InitContainers, ic)
+		}
+		return p
+	}
+
+	// Without a binding the ServiceAccount may not create ConfigMaps.
+	createPod(t, kubectlPod("denied", "writer", nil, "create", "configmap", "x"))
+	got := waitPod(t, ns, "denied", "Failed", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodFailed })
+	if s := got.Status.ContainerStatuses[0].State.Terminated; s == nil || s.ExitCode != 1 || !strings.Contains(s.Message, "forbidden") || !strings.Contains(s.Message, "system:serviceaccount:"+ns+":writer") {
+		t.Fatalf("kubectl as the pod's ServiceAccount without RBAC: %+v", got.Status.ContainerStatuses[0].State)
+	}
+
+	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "writer"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"configmaps"}, Verbs: []string{"create", "get"}}}}
+	binding := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "writer"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "writer"},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "writer", Namespace: ns}}}
+	if _, err := env.Kube.RbacV1().Roles(ns).Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := env.Kube.RbacV1().RoleBindings(ns).Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The first init container writes, the second reads what it wrote (so
+	// they ran in order), the container writes the downward API's values.
+	createPod(t, kubectlPod("allowed", "writer", [][]string{
+		{"create", "configmap", "first"},
+		{"get", "configmap", "first"},
+	}, "create", "configmap", "from-$(POD_NAME)", "--from-literal=node=$(NODE)"))
+	got = waitPod(t, ns, "allowed", "Succeeded", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodSucceeded })
+	for _, s := range append(got.Status.InitContainerStatuses, got.Status.ContainerStatuses...) {
+		if s.State.Terminated == nil || s.State.Terminated.ExitCode != 0 {
+			t.Errorf("container %s: %+v", s.Name, s.State)
+		}
+	}
+	cm, err := env.Kube.CoreV1().ConfigMaps(ns).Get(ctx, "from-allowed", metav1.GetOptions{})
+	if err != nil || cm.Data["node"] != w.Name() {
+		t.Fatalf("the container's ConfigMap: %+v, %v", cm, err)
+	}
+
+	// An init container that fails fails the pod, and the container never runs.
+	createPod(t, kubectlPod("init-fails", "writer", [][]string{{"get", "configmap", "missing"}}, "create", "configmap", "never"))
+	got = waitPod(t, ns, "init-fails", "Failed", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodFailed })
+	if s := got.Status.InitContainerStatuses[0].State.Terminated; s == nil || s.ExitCode != 1 {
+		t.Errorf("the failing init container: %+v", got.Status.InitContainerStatuses[0].State)
+	}
+	if _, err := env.Kube.CoreV1().ConfigMaps(ns).Get(ctx, "never", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the container ran after its init container failed: %v", err)
+	}
+}
+
+// TestNodeLeases: a running machine renews its Node Lease (owned by its
+// Node) every quarter of Kubelet.NodeLease; a machine that is down does
+// not, until it is back.
+func TestNodeLeases(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.Kubelet.NodeLease = 2 * time.Second
+	f := start(t, spec)
+	w := f.Machines()[1]
+	renewed := func() time.Time {
+		l, err := env.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(context.Background(), w.Name(), metav1.GetOptions{})
+		if err != nil || l.Spec.RenewTime == nil {
+			return time.Time{}
+		}
+		return l.Spec.RenewTime.Time
+	}
+	var first time.Time
+	testenv.Eventually(t, 30*time.Second, "the Lease renewed", func(context.Context) (bool, error) {
+		if first.IsZero() {
+			first = renewed()
+			return false, nil
+		}
+		return renewed().After(first), nil
+	})
+	l, err := env.Kube.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(context.Background(), w.Name(), metav1.GetOptions{})
+	if err != nil || len(l.OwnerReferences) != 1 || l.OwnerReferences[0].Kind != "Node" || l.OwnerReferences[0].Name != w.Name() || *l.Spec.LeaseDurationSeconds != 2 {
+		t.Fatalf("the Lease %+v, %v", l, err)
+	}
+
+	release := w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
+	before := w.BootID()
+	if err := talos(t, f).Reboot(on(w)); err != nil {
+		t.Fatal(err)
+	}
+	waitNodeReady(t, w, false)
+	last := renewed()
+	// Three renewal periods without a renewal: the machine is down.
+	deadline := time.Now().Add(1500 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if r := renewed(); r.After(last) && w.Down() {
+			t.Fatalf("a down machine renewed its Lease (%s after %s)", r, last)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	release()
+	waitRebooted(t, w, before)
+	testenv.Eventually(t, 30*time.Second, "the Lease renewed after the boot", func(context.Context) (bool, error) {
+		return renewed().After(last), nil
+	})
+}
