@@ -198,6 +198,25 @@
 //	sim.ichor.maesh.dev/run-for: 30s     its containers exit after this long (RunForAnnotation)
 //	sim.ichor.maesh.dev/exit-code: 3     with this exit code (ExitCodeAnnotation, default 0)
 //
+// Each control plane mirrors Talos's control-plane static pods into
+// kube-system: kube-apiserver-<node>, kube-controller-manager-<node> and
+// kube-scheduler-<node>, labelled as Talos's (k8s-app, component, tier:
+// control-plane, app.kubernetes.io/*), with the image of the active
+// configuration (cluster.apiServer.image and friends), the annotations
+// talos.dev/config-version (the version of the COSI APIServerConfig,
+// ControllerManagerConfig or SchedulerConfig, namespace controlplane, which
+// the machine serves) and talos.dev/secrets-version, and the kubelet's
+// mirror annotations, owned by the Node. They run as the kubelet runs any
+// pod; they are gone while the machine is down (Talos tears them down with
+// etcd) and come back after it boots; a live change of a component's image
+// renders a new configuration version and replaces the pod.
+//
+// Kubeconfig on a control plane returns, as Talos does, a tar.gz holding
+// "kubeconfig": an admin kubeconfig named after the configuration's cluster
+// (cluster <name>, context and user admin@<name>), for Spec.APIServer with
+// its credentials (Talos signs a new admin certificate with the cluster CA).
+// Workers answer Unimplemented.
+//
 // # Faults
 //
 // Machine.Inject(faults...) sets faults until the returned func clears them;

@@ -252,6 +252,7 @@ func (k *kube) nodeDown(m *Machine) {
 	}
 	k.leases.down(m)
 	k.kubelet.down(m)
+	k.staticPods(m, false)
 	ctx, cancel := k.ctx()
 	defer cancel()
 	if err := k.writeStatus(ctx, m, false, false); err != nil {

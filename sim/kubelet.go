@@ -156,6 +156,10 @@ func (kl *kubelet) podGone(pod *corev1.Pod) {
 		run.do(func() { run.stop(true) })
 		kl.removeFiles(pod)
 	}
+	if m := kl.k.f.byName[pod.Spec.NodeName]; m != nil && isMirror(pod) && !m.Down() {
+		// A mirror pod deleted by someone comes back: the static pod runs.
+		kl.k.staticPods(m, true)
+	}
 }
 
 func terminal(p corev1.PodPhase) bool { return p == corev1.PodSucceeded || p == corev1.PodFailed }
@@ -694,21 +698,24 @@ func (kl *kubelet) binaryFor(image string) (string, bool) {
 // none: each does nothing.
 
 // kubeletStarted is a machine's kubelet starting with the fleet: it holds
-// its Node Lease.
+// its Node Lease and mirrors its static pods.
 func (k *kube) kubeletStarted(m *Machine) {
 	if k == nil {
 		return
 	}
 	k.leases.up(m)
+	k.staticPods(m, true)
 }
 
 // resumePods is the kubelet of a machine that booted: its Lease renewed
-// again, its pods restarted and the pods deleted while it was down removed.
+// again, its static pods back, its pods restarted and the pods deleted
+// while it was down removed.
 func (k *kube) resumePods(m *Machine) {
 	if k == nil {
 		return
 	}
 	k.leases.up(m)
+	k.staticPods(m, true)
 	k.kubelet.boot(m)
 }
 
@@ -718,6 +725,16 @@ func (k *kube) resetPods(ctx context.Context, m *Machine) {
 		return
 	}
 	k.kubelet.reset(ctx, m)
+}
+
+// configChanged re-renders a control plane's static pods, in the
+// background, after a change of its active configuration (a new image
+// replaces the pod).
+func (k *kube) configChanged(m *Machine) {
+	if k == nil || m.Down() || k.f.ctx.Err() != nil {
+		return
+	}
+	k.f.wg.Go(func() { k.staticPods(m, true) })
 }
 
 func (k *kube) podChanged(obj any) {
@@ -737,4 +754,9 @@ func (k *kube) podDeleted(obj any) {
 	close(k.podsGone)
 	k.podsGone = make(chan struct{})
 	k.mu.Unlock()
+}
+
+func isMirror(pod *corev1.Pod) bool {
+	_, ok := pod.Annotations[corev1.MirrorPodAnnotationKey]
+	return ok
 }

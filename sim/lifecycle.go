@@ -246,6 +246,7 @@ func (m *Machine) liveChanged(old, cfg config.Provider) {
 		m.restartService("kubelet")
 	}
 	m.f.kube.syncNodeConfigLater(m)
+	m.f.kube.configChanged(m)
 }
 
 // cancelTry drops a pending TRY revert, as any other apply mode does.
