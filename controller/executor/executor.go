@@ -95,6 +95,16 @@ type Env struct {
 	// Identity is the operation's lock identity (it marks the cordons it makes).
 	Identity string
 	Log      logr.Logger
+	// Progress, when set, replaces the machine's message while a Run step
+	// runs (a drain says what it waits for); the reconciler records it.
+	Progress func(message string)
+}
+
+// report passes a Run step's progress on, if anyone listens.
+func (e *Env) report(message string) {
+	if e.Progress != nil {
+		e.Progress(message)
+	}
 }
 
 // StepError is a failed step. The reconciler pauses the operation with

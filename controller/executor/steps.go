@@ -137,6 +137,7 @@ const DefaultDrainTimeout = 5 * time.Minute
 func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (timedOut bool, err error) {
 	dctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	report := newDrainReport(ctx, e)
 	h := &drain.Helper{
 		Ctx:                 dctx,
 		Client:              e.Clientset,
@@ -146,8 +147,12 @@ func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (t
 		DeleteEmptyDirData:  true,
 		Timeout:             timeout,
 		DisableEviction:     force,
-		Out:                 logWriter{e.Log},
-		ErrOut:              logWriter{e.Log},
+		// kubectl drain's pause before asking again when a budget refuses.
+		EvictErrorRetryDelay:            5 * time.Second,
+		Out:                             logWriter{e.Log},
+		ErrOut:                          report,
+		OnPodDeletionOrEvictionStarted:  report.started,
+		OnPodDeletionOrEvictionFinished: report.finished,
 	}
 	err = drain.RunNodeDrain(h, e.Machine.Name)
 	return err != nil && dctx.Err() == context.DeadlineExceeded && ctx.Err() == nil, err
@@ -168,7 +173,7 @@ var _ io.Writer = logWriter{}
 func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 	return Step{Name: StepRebooted, Timeout: 15 * time.Minute, Wait: func(ctx context.Context, e *Env) (bool, Outcome, error) {
 		if e.Node == nil || !machine.Ready(e.Node) {
-			return false, Outcome{Message: "waiting for the machine to come back"}, nil
+			return false, Outcome{Message: "waiting for the machine to come back (" + notReady(e.Node) + ")"}, nil
 		}
 		if e.Node.Status.NodeInfo.BootID != "" && e.Node.Status.NodeInfo.BootID == e.Machine.BootID {
 			return false, Outcome{Message: "waiting for the machine to reboot"}, nil

@@ -11,7 +11,8 @@ import (
 	"maesh.dev/ichor/controller/executor"
 )
 
-// collect applies the results of steps that finished since the last turn.
+// collect applies the results of steps that finished since the last turn,
+// and the progress of those still running.
 func (t *turn) collect() {
 	st := &t.op.Status
 	for i := range st.Machines {
@@ -21,6 +22,9 @@ func (t *turn) collect() {
 		}
 		res, ok := t.r.runner.take(t.key(m.Name), m.Step, m.Attempts)
 		if !ok {
+			if msg, ok := t.r.runner.progress(t.key(m.Name), m.Step, m.Attempts); ok {
+				m.Message = msg // what the running step says it is doing
+			}
 			continue
 		}
 		if res.err != nil {

@@ -60,6 +60,8 @@ type job struct {
 	step    string
 	attempt int32
 	cancel  context.CancelFunc
+	// progress is the step's latest message (Env.Progress).
+	progress string
 }
 
 type result struct {
@@ -134,10 +136,20 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		return false
 	}
 	ctx, cancel := context.WithTimeout(r.base, timeout)
-	r.jobs[k] = &job{step: step.Name, attempt: attempt, cancel: cancel}
+	j := &job{step: step.Name, attempt: attempt, cancel: cancel}
+	r.jobs[k] = j
 	r.wg.Add(1)
 	wake := &ichorv1.TalosOperation{}
 	wake.Namespace, wake.Name = op.Namespace, op.Name
+	env.Progress = func(msg string) {
+		r.mu.Lock()
+		j.progress = msg
+		r.mu.Unlock()
+		select {
+		case r.trigger <- event.GenericEvent{Object: wake}:
+		default:
+		}
+	}
 	go func() {
 		defer r.wg.Done()
 		defer cancel()
@@ -169,6 +181,17 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		}
 	}()
 	return true
+}
+
+// progress returns the latest message of the machine's running step.
+func (r *runner) progress(k machineKey, step string, attempt int32) (string, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	j, ok := r.jobs[k]
+	if !ok || j.step != step || j.attempt != attempt || j.progress == "" {
+		return "", false
+	}
+	return j.progress, true
 }
 
 // take returns the unrecorded result of the machine's current step.
