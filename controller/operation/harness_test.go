@@ -26,7 +26,11 @@ import (
 
 var env *testenv.Env
 
-func TestMain(m *testing.M) { os.Exit(testenv.Main(m, &env)) }
+// The package's world is a working cluster: the real controller manager
+// (node lifecycle too: the fleets renew their Node Leases) and scheduler.
+func TestMain(m *testing.M) {
+	os.Exit(testenv.Main(m, &env, testenv.With(testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})))
+}
 
 // cluster is one test's world: a simulated fleet whose Nodes live in the
 // shared API server, a controller namespace with the fleet's talosconfig,

@@ -1,0 +1,516 @@
+package operation_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// The tests in this file run in a working cluster: the real
+// kube-controller-manager and kube-scheduler (TestMain), the simulated
+// machines' kubelets running the pods.
+
+func labels(app string) map[string]string { return map[string]string{"app": app} }
+
+// podTemplate is a pod of app that becomes ready readyAfter after it starts.
+func podTemplate(app string, readyAfter time.Duration) corev1.PodTemplateSpec {
+	return corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Labels: labels(app), Annotations: map[string]string{sim.ReadyAfterAnnotation: readyAfter.String()}},
+		Spec: corev1.PodSpec{
+			Containers:                    []corev1.Container{{Name: app, Image: "registry.k8s.io/pause:3.10"}},
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+		},
+	}
+}
+
+func (c *cluster) deployment(app string, replicas int32, readyAfter time.Duration) {
+	c.t.Helper()
+	d := &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: &replicas, Selector: &metav1.LabelSelector{MatchLabels: labels(app)}, Template: podTemplate(app, readyAfter),
+		},
+	}
+	c.createObject(d)
+}
+
+func (c *cluster) statefulSet(app string, replicas int32, readyAfter time.Duration) {
+	c.t.Helper()
+	s := &appsv1.StatefulSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+		Spec: appsv1.StatefulSetSpec{
+			Replicas: &replicas, Selector: &metav1.LabelSelector{MatchLabels: labels(app)}, Template: podTemplate(app, readyAfter),
+			ServiceName: app, PodManagementPolicy: appsv1.ParallelPodManagement,
+		},
+	}
+	c.createObject(s)
+}
+
+func (c *cluster) daemonSet(app string) {
+	c.t.Helper()
+	d := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+		Spec:       appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels(app)}, Template: podTemplate(app, 0)},
+	}
+	c.createObject(d)
+}
+
+// pdb guards app with minAvailable or (when min is negative) maxUnavailable -min.
+func (c *cluster) pdb(app string, min int) {
+	c.t.Helper()
+	p := &policyv1.PodDisruptionBudget{
+		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+		Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels(app)}},
+	}
+	if min >= 0 {
+		p.Spec.MinAvailable = ptr.To(intstr.FromInt(min))
+	} else {
+		p.Spec.MaxUnavailable = ptr.To(intstr.FromInt(-min))
+	}
+	c.createObject(p)
+}
+
+func (c *cluster) createObject(obj client.Object) {
+	c.t.Helper()
+	if err := env.Client.Create(context.Background(), obj); err != nil {
+		c.t.Fatalf("create %T %s: %v", obj, obj.GetName(), err)
+	}
+}
+
+func (c *cluster) pods(app string) []corev1.Pod {
+	c.t.Helper()
+	var pods corev1.PodList
+	if err := env.Client.List(context.Background(), &pods, client.InNamespace(c.ns), client.MatchingLabels(labels(app))); err != nil {
+		c.t.Fatal(err)
+	}
+	return pods.Items
+}
+
+// healthy is a pod the disruption controller counts: Ready and not terminating.
+func healthy(p *corev1.Pod) bool {
+	if p.DeletionTimestamp != nil {
+		return false
+	}
+	for _, cond := range p.Status.Conditions {
+		if cond.Type == corev1.PodReady {
+			return cond.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// waitHealthy waits until app has n healthy pods.
+func (c *cluster) waitHealthy(app string, n int) {
+	c.t.Helper()
+	testenv.Eventually(c.t, time.Minute, fmt.Sprintf("%d healthy %s pods", n, app), func(context.Context) (bool, error) {
+		ok := 0
+		for _, p := range c.pods(app) {
+			if healthy(&p) {
+				ok++
+			}
+		}
+		return ok == n, nil
+	})
+}
+
+// setCordon cordons or uncordons a Node as an operator does.
+func (c *cluster) setCordon(node string, on bool) {
+	c.t.Helper()
+	c.patchNode(node, fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on))
+}
+
+// readiness follows the pods of the test's namespace from a watch and
+// keeps, per app, the fewest healthy pods seen since it started.
+type readiness struct {
+	mu     sync.Mutex
+	pods   map[string]*corev1.Pod
+	fewest map[string]int
+}
+
+func (c *cluster) followReadiness(apps ...string) *readiness {
+	c.t.Helper()
+	ctx := context.Background()
+	list, err := env.Kube.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	w, err := env.Kube.CoreV1().Pods(c.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	r := &readiness{pods: map[string]*corev1.Pod{}, fewest: map[string]int{}}
+	for i := range list.Items {
+		p := &list.Items[i]
+		r.pods[p.Name] = p
+	}
+	for _, app := range apps {
+		r.fewest[app] = 0
+		for _, p := range r.pods {
+			if p.Labels["app"] == app && healthy(p) {
+				r.fewest[app]++
+			}
+		}
+	}
+	go func() {
+		for ev := range w.ResultChan() {
+			p, ok := ev.Object.(*corev1.Pod)
+			if !ok {
+				continue
+			}
+			r.mu.Lock()
+			if ev.Type == watch.Deleted {
+				delete(r.pods, p.Name)
+			} else {
+				r.pods[p.Name] = p
+			}
+			counts := map[string]int{}
+			for _, q := range r.pods {
+				if healthy(q) {
+					counts[q.Labels["app"]]++
+				}
+			}
+			for app, n := range r.fewest {
+				r.fewest[app] = min(n, counts[app])
+			}
+			r.mu.Unlock()
+		}
+	}()
+	c.t.Cleanup(w.Stop)
+	return r
+}
+
+func (r *readiness) least(app string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.fewest[app]
+}
+
+// watchMessages records every message the operation gave the machine.
+func (c *cluster) watchMessages(name, machine string) func() []string {
+	c.t.Helper()
+	wc, err := client.NewWithWatch(env.Config, client.Options{Scheme: testenv.Scheme})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	w, err := wc.Watch(context.Background(), &ichorv1.TalosOperationList{}, client.InNamespace(c.ns))
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.t.Cleanup(w.Stop)
+	var mu sync.Mutex
+	var msgs []string
+	go func() {
+		for ev := range w.ResultChan() {
+			op, ok := ev.Object.(*ichorv1.TalosOperation)
+			if !ok || op.Name != name {
+				continue
+			}
+			if m := entryOf(op, machine); m != nil && m.Message != "" {
+				mu.Lock()
+				msgs = append(msgs, m.Step+": "+m.Message)
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), msgs...)
+	}
+}
+
+// TestDrainWaitsForBudget: a drain that a PodDisruptionBudget holds back
+// waits until the replacement (made by the real ReplicaSet controller,
+// placed on another machine by the real scheduler) is Ready, then
+// finishes; the machine's message says which budget it waits for and for
+// how many pods; the budget is never broken.
+func TestDrainWaitsForBudget(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 3))
+	w1, w2, w3 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name(), c.fleet.Machines()[3].Name()
+	// Both replicas on w1: the others are cordoned while they are placed.
+	c.setCordon(w2, true)
+	c.setCordon(w3, true)
+	c.deployment("web", 2, 2*time.Second)
+	c.pdb("web", 1)
+	c.waitHealthy("web", 2)
+	c.setCordon(w2, false)
+	c.setCordon(w3, false)
+	ready := c.followReadiness("web")
+	c.start()
+	messages := c.watchMessages("reboot", w1)
+	c.create("reboot", rebootSpec(w1))
+	c.waitSucceeded("reboot", 2*time.Minute)
+
+	want := fmt.Sprintf("PodDisruptionBudget %s/web (minAvailable 1, 1 of 2 healthy) holds 1 pod", c.ns)
+	found := false
+	for _, m := range messages() {
+		found = found || strings.HasPrefix(m, executor.StepDrain+": ") && strings.Contains(m, want)
+	}
+	if !found {
+		t.Errorf("the drain never said it waited for the budget (%q); its messages: %q", want, messages())
+	}
+	if n := ready.least("web"); n < 1 {
+		t.Errorf("the budget was broken: %d healthy web pods at one point (minAvailable 1)", n)
+	}
+	c.waitHealthy("web", 2)
+	for _, p := range c.pods("web") {
+		if p.Spec.NodeName == w1 {
+			t.Errorf("pod %s is back on the drained %s", p.Name, w1)
+		}
+	}
+}
+
+// TestDrainTimeout: a drain that cannot finish in time (the budget allows
+// no eviction at all) fails the step, or, with onTimeout: force, deletes
+// the pods that are left and goes on.
+func TestDrainTimeout(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		onTimeout ichorv1.DrainTimeoutAction
+	}{
+		{"fail", ichorv1.DrainFail},
+		{"force", ichorv1.DrainForce},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 2))
+			w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+			c.setCordon(w2, true)
+			c.deployment("db", 1, 0)
+			c.pdb("db", 1)
+			c.waitHealthy("db", 1)
+			c.setCordon(w2, false)
+			c.start()
+			spec := rebootSpec(w1)
+			spec.Drain = &ichorv1.Drain{Timeout: &metav1.Duration{Duration: 3 * time.Second}, OnTimeout: tt.onTimeout}
+			c.create("reboot", spec)
+			if tt.onTimeout == ichorv1.DrainFail {
+				op := c.waitFor("reboot", "to fail its drain", time.Minute, (*ichorv1.TalosOperation).StepFailed)
+				if op.Status.FailureReason != "DrainFailed" || entryOf(op, w1).Step != executor.StepDrain {
+					t.Fatalf("failed with %s on %s: %s", op.Status.FailureReason, entryOf(op, w1).Step, op.Status.Message)
+				}
+				if c.fleet.Recorder().Calls(w1, "Reboot") != 0 {
+					t.Fatal("the machine was rebooted after its drain failed")
+				}
+				return
+			}
+			c.waitSucceeded("reboot", time.Minute)
+			c.waitHealthy("db", 1)
+			if p := c.pods("db"); len(p) != 1 || p[0].Spec.NodeName != w2 {
+				t.Errorf("after a forced drain the db pod should run on %s: %+v", w2, p)
+			}
+		})
+	}
+}
+
+// TestUpgradeKeepsBudgets: during a whole Talos upgrade of a cluster with
+// workloads (a Deployment and a StatefulSet, each with a budget, and a
+// DaemonSet), no budget is ever broken, judged from the pods' readiness
+// over time as the API server saw it.
+func TestUpgradeKeepsBudgets(t *testing.T) {
+	spec := sim.Cluster("", 1, 3)
+	spec.Durations.Reboot = 200 * time.Millisecond
+	c := newCluster(t, spec)
+	c.deployment("web", 4, time.Second)
+	c.pdb("web", 3)
+	c.statefulSet("db", 3, time.Second)
+	c.pdb("db", -1)
+	c.daemonSet("agent")
+	c.waitHealthy("web", 4)
+	c.waitHealthy("db", 3)
+	c.waitHealthy("agent", 3)
+	ready := c.followReadiness("web", "db")
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitSucceeded("upgrade", 5*time.Minute)
+	if n := ready.least("web"); n < 3 {
+		t.Errorf("web's budget (minAvailable 3) was broken: %d healthy pods at one point", n)
+	}
+	if n := ready.least("db"); n < 2 {
+		t.Errorf("db's budget (maxUnavailable 1 of 3) was broken: %d healthy pods at one point", n)
+	}
+	for _, m := range c.fleet.Machines() {
+		if m.Version() != "v1.13.7" {
+			t.Errorf("%s runs %s", m.Name(), m.Version())
+		}
+	}
+	c.waitHealthy("web", 4)
+	c.waitHealthy("db", 3)
+}
+
+// TestJobRunsIchor: a Job of Ichor's image runs the real ichor-controller
+// binary as its ServiceAccount: its init container takes the cluster lock
+// under the Job's identity and its container releases it; the Job
+// completes (the real Job controller says so).
+func TestJobRunsIchor(t *testing.T) {
+	spec := sim.Cluster("", 1, 1)
+	spec.Kubelet.Binaries = testcluster.IchorBinaries(t, env)
+	c := newCluster(t, spec)
+	identity := "job/" + c.ns + "/take-lock"
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "installer"}}
+	role := &rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: "lock"},
+		Rules: []rbacv1.PolicyRule{{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"get", "list", "watch", "create", "update"}}}}
+	binding := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: "lock"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "lock"},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "installer", Namespace: c.ns}}}
+	for _, o := range []client.Object{sa, role, binding} {
+		c.createObject(o)
+	}
+	holders := c.watchLockHolders()
+	lockCmd := func(verb string) corev1.Container {
+		return corev1.Container{
+			Name: verb, Image: "ghcr.io/maesh-dev/ichor-controller:v0.1.0", Command: []string{"/ichor-controller"},
+			Args:                     []string{"lock", verb, "--identity", "job/$(NAMESPACE)/take-lock", "--namespace", c.ctrlNS},
+			Env:                      []corev1.EnvVar{{Name: "NAMESPACE", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.namespace"}}}},
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+		}
+	}
+	job := &batchv1.Job{
+		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "take-lock"},
+		Spec: batchv1.JobSpec{
+			BackoffLimit: ptr.To[int32](0),
+			Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{
+				ServiceAccountName: "installer", RestartPolicy: corev1.RestartPolicyNever,
+				InitContainers: []corev1.Container{lockCmd("acquire")},
+				Containers:     []corev1.Container{lockCmd("release")},
+			}},
+		},
+	}
+	c.createObject(job)
+	testenv.Eventually(t, 2*time.Minute, "the Job to complete", func(ctx context.Context) (bool, error) {
+		var j batchv1.Job
+		if err := env.Client.Get(ctx, keyOf(c.ns, "take-lock"), &j); err != nil {
+			return false, err
+		}
+		for _, cond := range j.Status.Conditions {
+			if cond.Type == batchv1.JobFailed && cond.Status == corev1.ConditionTrue {
+				return false, fmt.Errorf("the Job failed: %s", cond.Message)
+			}
+		}
+		return j.Status.Succeeded == 1, nil
+	})
+	if got := holders(); len(got) != 2 || got[0] != identity || got[1] != "" {
+		t.Fatalf("the cluster lock's holders over time: %q; want %q then free", got, identity)
+	}
+}
+
+// watchLockHolders records each holder the cluster lock Lease had.
+func (c *cluster) watchLockHolders() func() []string {
+	c.t.Helper()
+	w, err := env.Kube.CoordinationV1().Leases(c.ctrlNS).Watch(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	c.t.Cleanup(w.Stop)
+	var mu sync.Mutex
+	var holders []string
+	go func() {
+		for ev := range w.ResultChan() {
+			l, ok := ev.Object.(*coordinationv1.Lease)
+			if !ok || l.Name != ichorv1.LockLeaseName {
+				continue
+			}
+			h := ptr.Deref(l.Spec.HolderIdentity, "")
+			mu.Lock()
+			if len(holders) == 0 || holders[len(holders)-1] != h {
+				holders = append(holders, h)
+			}
+			mu.Unlock()
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), holders...)
+	}
+}
+
+// TestMachineStaysDown: a machine that does not come back from a reboot
+// stops renewing its Node Lease, the real node-lifecycle controller marks
+// its Node Unknown and taints it unreachable, and Ichor's wait for the
+// machine fails with that reason in its message.
+func TestMachineStaysDown(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	defer w.Inject(sim.Fault{Kind: sim.FaultNoReturn})()
+	// A reboot wait shorter than the step's 15 minutes, long enough for
+	// the node-lifecycle controller's grace period.
+	c.start(shorterWait(executor.StepRebooted, testenv.NodeGracePeriod+20*time.Second))
+	c.create("reboot", rebootSpec(w.Name()))
+	testenv.Eventually(t, time.Minute, "the node-lifecycle controller to mark "+w.Name()+" Unknown and taint it", func(ctx context.Context) (bool, error) {
+		var n corev1.Node
+		if err := env.Client.Get(ctx, keyOfNode(w.Name()), &n); err != nil {
+			return false, err
+		}
+		unknown, tainted := false, false
+		for _, cond := range n.Status.Conditions {
+			unknown = unknown || cond.Type == corev1.NodeReady && cond.Status == corev1.ConditionUnknown && cond.Reason == "NodeStatusUnknown"
+		}
+		for _, taint := range n.Spec.Taints {
+			tainted = tainted || taint.Key == corev1.TaintNodeUnreachable
+		}
+		return unknown && tainted, nil
+	})
+	op := c.waitFor("reboot", "to fail waiting for the machine", time.Minute, (*ichorv1.TalosOperation).StepFailed)
+	if op.Status.FailureReason != "WaitRebootedFailed" || !strings.Contains(op.Status.Message, "Node Ready=Unknown: NodeStatusUnknown: Kubelet stopped posting node status.") {
+		t.Fatalf("failed with %s: %s", op.Status.FailureReason, op.Status.Message)
+	}
+}
+
+// shorterWait gives the named step another timeout, for a test that waits
+// for it to run out.
+func shorterWait(step string, d time.Duration) controllerOption {
+	return func(o *app.Options, _ **rest.Config) {
+		out := executor.Registry{}
+		for kind, e := range o.Executors {
+			out[kind] = timeoutOf{e, step, d}
+		}
+		o.Executors = out
+	}
+}
+
+type timeoutOf struct {
+	executor.Executor
+	step    string
+	timeout time.Duration
+}
+
+func (t timeoutOf) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []executor.Step {
+	steps := t.Executor.Steps(op, m)
+	for i := range steps {
+		if steps[i].Name == t.step {
+			steps[i].Timeout = t.timeout
+		}
+	}
+	return steps
+}
+
+// LockIdentity forwards to the wrapped executor when it has one.
+func (t timeoutOf) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
+	if li, ok := t.Executor.(executor.LockIdentifier); ok {
+		return li.LockIdentity(op, role)
+	}
+	return ""
+}
