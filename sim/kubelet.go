@@ -144,6 +144,40 @@ func (kl *kubelet) podChanged(pod *corev1.Pod) {
 		return
 	}
 	kl.mu.Unlock()
+	if run != nil && !m.Down() {
+		// As the kubelet's status manager does: a status someone else
+		// changed (the node-lifecycle controller marks the pods of a Node
+		// it saw NotReady) is set back to what runs.
+		run.resync(pod)
+	}
+}
+
+// resync writes the pod's status again when the API server's phase or
+// readiness differs from what the kubelet runs.
+func (r *podRun) resync(pod *corev1.Pod) {
+	r.mu.Lock()
+	if r.dead || !r.sandbox {
+		r.mu.Unlock()
+		return
+	}
+	ready := r.phase == corev1.PodRunning
+	for _, c := range r.main {
+		ready = ready && c.ready
+	}
+	inSync := pod.Status.Phase == r.phase && podReady(pod) == ready
+	r.mu.Unlock()
+	if !inSync {
+		r.do(func() {})
+	}
+}
+
+func podReady(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }
 
 // podGone forgets a pod that left the API server.

@@ -23,8 +23,7 @@ type drainReport struct {
 	e   *Env
 	mu  sync.Mutex
 	// left are the pods being evicted or deleted that are not gone yet;
-	// held maps each one whose last eviction was refused to the budget
-	// that refused it.
+	// held maps each one whose eviction a budget refused to that budget.
 	left map[string]bool
 	held map[string]string
 	last string
@@ -36,13 +35,17 @@ func newDrainReport(ctx context.Context, e *Env) *drainReport {
 
 func podKey(p *corev1.Pod) string { return p.Namespace + "/" + p.Name }
 
-// started is called before every eviction attempt of a pod.
+// started is called before every eviction attempt of a pod. A pod a
+// budget held stays held until it is gone: the message changes when
+// something does, not with every attempt.
 func (r *drainReport) started(pod *corev1.Pod, _ bool) {
 	r.mu.Lock()
+	known := r.left[podKey(pod)]
 	r.left[podKey(pod)] = true
-	delete(r.held, podKey(pod))
 	r.mu.Unlock()
-	r.report()
+	if !known {
+		r.report()
+	}
 }
 
 // finished is called when a pod is gone (or its eviction failed for good).
@@ -76,7 +79,8 @@ func (r *drainReport) Write(p []byte) (int, error) {
 }
 
 // budget describes the PodDisruptionBudget that holds the pod: one that
-// selects it and allows no disruption now.
+// selects it, preferably one that allows no disruption now (its status
+// may already have moved on since the refusal).
 func (r *drainReport) budget(ns, name string) string {
 	pod, err := r.e.Clientset.CoreV1().Pods(ns).Get(r.ctx, name, metav1.GetOptions{})
 	if err != nil {
@@ -86,14 +90,21 @@ func (r *drainReport) budget(ns, name string) string {
 	if err != nil {
 		return "a PodDisruptionBudget"
 	}
-	for _, pdb := range pdbs.Items {
+	var match *policyv1.PodDisruptionBudget
+	for i := range pdbs.Items {
+		pdb := &pdbs.Items[i]
 		sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
-		if err != nil || sel.Empty() || !sel.Matches(labels.Set(pod.Labels)) || pdb.Status.DisruptionsAllowed > 0 {
+		if err != nil || sel.Empty() || !sel.Matches(labels.Set(pod.Labels)) {
 			continue
 		}
-		return describeBudget(&pdb)
+		if match == nil || pdb.Status.DisruptionsAllowed == 0 && match.Status.DisruptionsAllowed > 0 {
+			match = pdb
+		}
 	}
-	return "a PodDisruptionBudget"
+	if match == nil {
+		return "a PodDisruptionBudget"
+	}
+	return describeBudget(match)
 }
 
 // describeBudget is "PodDisruptionBudget ns/web (minAvailable 3, 3 of 4 healthy)".

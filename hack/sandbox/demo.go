@@ -67,6 +67,9 @@ type demo struct {
 	// short bounds a wait for one reaction; long one for machines to upgrade.
 	short, long time.Duration
 	bg          []*background
+	// target is the worker the reboot drains: the one with the most web
+	// pods, so that web's budget holds the drain back.
+	target string
 }
 
 func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) error {
@@ -75,7 +78,7 @@ func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) er
 		sb:    sb,
 		cfg:   cfg,
 		out:   &lockedWriter{w: out},
-		steps: 8,
+		steps: 9,
 		short: 30*time.Second + 10*sb.cfg.Pace,
 		long:  time.Minute + time.Duration(machines)*15*sb.cfg.Pace,
 		env: append(os.Environ(),
@@ -86,7 +89,7 @@ func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) er
 	}
 	defer d.stopBackground()
 	for _, step := range []func(context.Context) error{
-		d.cluster, d.upgrade, d.secondOperation, d.fault, d.paused, d.lockPassed, d.retry, d.finish,
+		d.cluster, d.upgrade, d.secondOperation, d.fault, d.paused, d.lockPassed, d.drained, d.retry, d.finish,
 	} {
 		if err := step(ctx); err != nil {
 			return fmt.Errorf("step %d: %w", d.step, err)
@@ -102,8 +105,32 @@ func (d *demo) heading(title string) {
 
 func (d *demo) say(format string, args ...any) { d.out.printf("# "+format+"\n", args...) }
 
-// firstWorker is rebooted by the second operation.
-func (d *demo) firstWorker() string { return d.machines(sim.Worker)[0] }
+// busiestWorker is the worker that runs the most web pods.
+func (d *demo) busiestWorker(ctx context.Context) (string, error) {
+	pods, err := d.pods(ctx, "web")
+	if err != nil {
+		return "", err
+	}
+	count := map[string]int{}
+	for _, p := range pods {
+		count[p.Spec.NodeName]++
+	}
+	best := ""
+	for _, w := range d.machines(sim.Worker) {
+		if best == "" || count[w] > count[best] {
+			best = w
+		}
+	}
+	return best, nil
+}
+
+func (d *demo) pods(ctx context.Context, app string) ([]corev1.Pod, error) {
+	var pods corev1.PodList
+	if err := d.sb.Client.List(ctx, &pods, client.InNamespace(demoNamespace), client.MatchingLabels{"app": app}); err != nil {
+		return nil, err
+	}
+	return pods.Items, nil
+}
 
 // faulty is the machine that gets the fault: the last control plane, so
 // that the upgrade has not reached it yet when the fault is set, and so
@@ -124,11 +151,22 @@ func (d *demo) machines(role sim.Role) []string {
 // 1. The cluster as it is, and the versions of plugin and controller.
 func (d *demo) cluster(ctx context.Context) error {
 	c := d.sb.cfg
-	d.heading(fmt.Sprintf("A Talos cluster of %d control planes and %d workers (simulated), Ichor installed", c.ControlPlanes, c.Workers))
+	d.heading(fmt.Sprintf("A Talos cluster of %d control planes and %d workers (simulated), Ichor installed, workloads running", c.ControlPlanes, c.Workers))
 	if _, err := d.run(ctx, 0, "kubectl", "get", "nodes", "-o", "wide"); err != nil {
 		return err
 	}
 	if err := d.nodesRun(ctx, c.Talos); err != nil {
+		return err
+	}
+	d.say("The real kube-controller-manager and kube-scheduler run the workloads; the simulated machines are their kubelets.")
+	if _, err := d.run(ctx, 0, "kubectl", "get", "deployments,statefulsets,daemonsets,poddisruptionbudgets"); err != nil {
+		return err
+	}
+	if _, err := d.run(ctx, 0, "kubectl", "get", "pods", "-o", "wide"); err != nil {
+		return err
+	}
+	var err error
+	if d.target, err = d.busiestWorker(ctx); err != nil {
 		return err
 	}
 	out, err := d.run(ctx, 0, "kubectl", "ichor", "version")
@@ -193,9 +231,9 @@ func (d *demo) upgrade(ctx context.Context) error {
 
 // 3. A second operation waits for the lock the upgrade holds.
 func (d *demo) secondOperation(ctx context.Context) error {
-	w := d.firstWorker()
+	w := d.target
 	d.heading("A second operation waits for the cluster lock")
-	d.say("Disruptive work never overlaps: a reboot of %s waits until the upgrade lets go of the lock.", w)
+	d.say("Disruptive work never overlaps: a reboot of %s (it runs the most web pods) waits until the upgrade lets go of the lock.", w)
 	if _, err := d.run(ctx, 0, "kubectl", "ichor", "node", "reboot", w, "--name", rebootName); err != nil {
 		return err
 	}
@@ -283,11 +321,18 @@ func (d *demo) paused(ctx context.Context) error {
 	return err
 }
 
-// 6. Paused on a failure, the upgrade lets the waiting reboot take the lock.
+// 6. Paused on a failure, the upgrade lets the waiting reboot take the
+// lock; its drain waits for web's budget.
 func (d *demo) lockPassed(ctx context.Context) error {
-	d.heading("A holder paused on a failed step lets go of the lock: the reboot runs")
-	if _, err := d.run(ctx, 0, "kubectl", "ichor", "watch", rebootName, "--timeout", d.long.String()); err != nil {
+	d.heading("A holder paused on a failed step lets go of the lock: the reboot runs, its drain held by a budget")
+	d.say("The drain evicts %s's pods; web's PodDisruptionBudget (minAvailable 3 of 4) lets one go at a time,", d.target)
+	d.say("each once its replacement, placed on another machine by the scheduler, is Ready. The watch says so.")
+	out, err := d.run(ctx, 0, "kubectl", "ichor", "watch", rebootName, "--timeout", d.long.String())
+	if err != nil {
 		return err
+	}
+	if held := "PodDisruptionBudget " + demoNamespace + "/web"; !strings.Contains(out, held) {
+		return fmt.Errorf("expected the watch to say the drain of %s waited for %s, it printed:\n%s", d.target, held, out)
 	}
 	op, err := d.get(ctx, rebootName)
 	if err != nil {
@@ -309,7 +354,45 @@ func (d *demo) lockPassed(ctx context.Context) error {
 	return fmt.Errorf("expected a LockTakenOver Event on %s", rebootName)
 }
 
-// 7. Fix the cause, retry, and follow the upgrade to its end.
+// 7. The drained machine's pods run elsewhere, Ready, and the budget held.
+func (d *demo) drained(ctx context.Context) error {
+	d.heading("The pods " + d.target + " ran now run on other machines")
+	if _, err := d.run(ctx, 0, "kubectl", "get", "pods", "-o", "wide", "-l", "app in (web,db)"); err != nil {
+		return err
+	}
+	return d.poll(ctx, "4 web and 3 db pods Ready, none of them on "+d.target, d.short, func(ctx context.Context) (bool, error) {
+		for app, want := range map[string]int{"web": 4, "db": 3} {
+			pods, err := d.pods(ctx, app)
+			if err != nil {
+				return false, err
+			}
+			ready := 0
+			for _, p := range pods {
+				if p.Spec.NodeName == d.target && p.DeletionTimestamp == nil {
+					return false, fmt.Errorf("pod %s is still on the drained %s", p.Name, d.target)
+				}
+				if podReady(&p) {
+					ready++
+				}
+			}
+			if ready != want {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return p.DeletionTimestamp == nil && c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// 8. Fix the cause, retry, and follow the upgrade to its end.
 func (d *demo) retry(ctx context.Context) error {
 	w := d.faulty()
 	d.heading("Fix the cause, then kubectl ichor retry (the same as annotating " + ichorv1.RetryAnnotation + "=true)")
@@ -336,7 +419,7 @@ func (d *demo) retry(ctx context.Context) error {
 	return nil
 }
 
-// 8. Every machine runs the target; nothing overlapped; the lock is free.
+// 9. Every machine runs the target; nothing overlapped; the lock is free.
 func (d *demo) finish(ctx context.Context) error {
 	d.heading("Done: every machine runs " + d.cfg.Target + ", and the cluster lock is free")
 	if _, err := d.run(ctx, 0, "kubectl", "get", "nodes", "-o", "wide"); err != nil {

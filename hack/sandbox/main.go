@@ -1,8 +1,9 @@
 // Command ichor-sandbox runs Ichor on this machine and nothing else: a real
-// kube-apiserver and etcd (the envtest binaries `make envtest-assets`
-// builds), Ichor's manifests applied with the real kubectl, a fleet of
-// simulated Talos machines, and ichor-controller running in this process as
-// its ServiceAccount. It writes a kubeconfig and a talosconfig under
+// kube-apiserver, etcd, kube-controller-manager and kube-scheduler (the
+// binaries `make envtest-assets` builds), Ichor's manifests applied with the
+// real kubectl, a fleet of simulated Talos machines that play the kubelets,
+// the workloads of workloads.yaml, and ichor-controller running in this
+// process as its ServiceAccount. It writes a kubeconfig and a talosconfig under
 // .ichor-sandbox/ and stays up until Ctrl-C, which stops everything and
 // removes those files. Everything listens on loopback only.
 //
@@ -89,8 +90,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	return o, nil
 }
 
-const usageIntro = `Runs Ichor on this machine: a real kube-apiserver and etcd, Ichor's manifests,
-simulated Talos machines and ichor-controller, all on loopback, until Ctrl-C.`
+const usageIntro = `Runs Ichor on this machine: a real kube-apiserver, etcd, kube-controller-manager and
+kube-scheduler, Ichor's manifests, simulated Talos machines (with workloads) and
+ichor-controller, all on loopback, until Ctrl-C.`
 
 func defaultKubectl() string {
 	if k := os.Getenv("KUBECTL"); k != "" {
@@ -111,7 +113,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "error:", err)
 		return 2
 	}
-	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver and etcd, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, ichor-controller...\n",
+	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver, etcd, kube-controller-manager and kube-scheduler, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, workloads, ichor-controller...\n",
 		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes)
 	sb, err := Start(ctx, o.config)
 	if ctx.Err() != nil {
@@ -126,7 +128,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	defer func() {
-		fmt.Fprintln(stdout, "Stopping the sandbox: ichor-controller, the machines, kube-apiserver and etcd; removing", relative(o.Dir))
+		fmt.Fprintln(stdout, "Stopping the sandbox: ichor-controller, the machines, the control plane; removing", relative(o.Dir))
 		sb.Stop()
 	}()
 	if o.Demo {
@@ -148,14 +150,18 @@ func printUsage(w io.Writer, sb *Sandbox) {
 	fmt.Fprintf(w, `
 The Ichor sandbox is up (ready). Everything listens on loopback and stays up until Ctrl-C.
 
-  API server     %s (kube-apiserver and etcd built by make envtest-assets)
+  API server     %s (kube-apiserver, etcd, kube-controller-manager and kube-scheduler
+                 built by make envtest-assets; their logs in %s)
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
+  Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
+                 DaemonSet node-agent, pod debug: %s
   Controller     ichor-controller, running here as its ServiceAccount; log in %s
 
 In another terminal (make build puts kubectl-ichor in bin/):
 
   source %s            # sets KUBECONFIG, TALOSCONFIG and puts bin/ on PATH
   kubectl get nodes -o wide
+  kubectl get pods -o wide
   kubectl ichor upgrade talos --to v1.13.7 --watch
   kubectl ichor node reboot %s
   kubectl ichor lock
@@ -173,7 +179,7 @@ etcd-unhealthy, alarm[:NOSPACE|CORRUPT], comma-separated (sim/README.md).
 The machines log what happens to them in %s.
 
 Ctrl-C stops everything and removes %s.
-`, sb.Admin.Host, len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileController)),
+`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)), relative(sb.Path(fileController)),
 		relative(sb.Path(fileEnv)), last, sim.FaultAnnotation, last, last, sim.FaultAnnotation, last, sim.FaultAnnotation,
 		relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
 }

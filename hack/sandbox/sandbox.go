@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	_ "embed"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,6 +31,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/internal/controlplane"
 	"maesh.dev/ichor/internal/version"
 	"maesh.dev/ichor/sim"
 )
@@ -43,9 +45,23 @@ const (
 	fileState       = "sandbox.json"
 	fileController  = "controller.log"
 	fileSim         = "sim.log"
+	fileKCM         = "kube-controller-manager.log"
+	fileScheduler   = "kube-scheduler.log"
+	fileWorkloads   = "workloads.yaml"
 )
 
-var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim}
+var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim, fileKCM, fileScheduler, fileWorkloads}
+
+// The sandbox's kubelets heartbeat as Talos's do (a 40s Node Lease), and
+// the node-lifecycle controller waits Kubernetes' default 50s before it
+// marks a silent machine Unknown.
+const (
+	nodeLease       = 40 * time.Second
+	nodeGracePeriod = 50 * time.Second
+)
+
+//go:embed workloads.yaml
+var workloads string
 
 // controllerUser is the controller's ServiceAccount as the API server
 // names it: the sandbox runs the controller as that user, so the RBAC of
@@ -58,7 +74,8 @@ type config struct {
 	Root string
 	// Dir holds the kubeconfig, talosconfig, env file, state and logs.
 	Dir string
-	// Assets is the directory of kube-apiserver and etcd (KUBEBUILDER_ASSETS).
+	// Assets is the directory of kube-apiserver, etcd, kube-controller-manager
+	// and kube-scheduler (KUBEBUILDER_ASSETS).
 	Assets string
 	// Kubectl is the real kubectl that applies the manifests (and runs the demo).
 	Kubectl string
@@ -86,8 +103,12 @@ func (c config) validate() error {
 	}
 	if c.Assets == "" {
 		errs = append(errs, errors.New("KUBEBUILDER_ASSETS is not set: run `make sandbox`, or `KUBEBUILDER_ASSETS=$(make -s envtest-assets) go run ./hack/sandbox`"))
-	} else if _, err := os.Stat(filepath.Join(c.Assets, "kube-apiserver")); err != nil {
-		errs = append(errs, fmt.Errorf("no kube-apiserver in KUBEBUILDER_ASSETS=%s: run `make envtest-assets`", c.Assets))
+	} else {
+		for _, bin := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
+			if _, err := os.Stat(filepath.Join(c.Assets, bin)); err != nil {
+				errs = append(errs, fmt.Errorf("no %s in KUBEBUILDER_ASSETS=%s: run `make envtest-assets`", bin, c.Assets))
+			}
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -103,6 +124,8 @@ func durations(pace time.Duration) sim.Durations {
 		KubeletRestart: pace,
 		PodGrace:       pace,
 		DrainTimeout:   60 * pace,
+		PodReady:       pace,
+		JobPod:         2 * pace,
 	}
 }
 
@@ -115,7 +138,18 @@ func (c config) fleetSpec(logf func(string, ...any)) sim.Spec {
 	}
 	spec.Durations = durations(c.Pace)
 	spec.Logf = logf
+	spec.Kubelet.NodeLease = nodeLease
+	// Pods of Ichor's image (the installer and Helm Jobs) run the binary
+	// make build made.
+	if bin := filepath.Join(c.Root, "bin", "ichor-controller"); isExecutable(bin) {
+		spec.Kubelet.Binaries = map[string]string{"ghcr.io/maesh-dev/ichor-controller:*": bin}
+	}
 	return spec
+}
+
+func isExecutable(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
 }
 
 // Sandbox is a running sandbox: API server, fleet and controller.
@@ -126,6 +160,9 @@ type Sandbox struct {
 	Admin  *rest.Config
 	Client client.Client
 	Fleet  *sim.Fleet
+	// ControllerManager and Scheduler are the real kube-controller-manager
+	// and kube-scheduler.
+	ControllerManager, Scheduler *controlplane.Process
 
 	stopController context.CancelFunc
 	controllerDone chan error
@@ -167,7 +204,13 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 	if err := s.install(ctx); err != nil {
 		return nil, err
 	}
+	if err := s.startControlPlane(ctx); err != nil {
+		return nil, err
+	}
 	if err := s.startFleet(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.startWorkloads(ctx); err != nil {
 		return nil, err
 	}
 	if err := s.startController(ctx); err != nil {
@@ -298,6 +341,51 @@ func (s *Sandbox) kubectl(ctx context.Context, args ...string) (string, error) {
 	return out.String(), nil
 }
 
+// startControlPlane starts the real kube-controller-manager (node
+// lifecycle included: the machines renew their Node Leases) and
+// kube-scheduler against the API server, each logging to a file.
+func (s *Sandbox) startControlPlane(ctx context.Context) error {
+	o := controlplane.Options{
+		Assets:                 s.cfg.Assets,
+		Kubeconfig:             s.Path(fileKubeconfig),
+		ServiceAccountKey:      filepath.Join(s.env.ControlPlane.APIServer.CertDir, "sa-signer.key"),
+		NodeMonitorGracePeriod: nodeGracePeriod,
+	}
+	var err error
+	if o.Log, err = s.createLog(fileKCM); err != nil {
+		return err
+	}
+	if s.ControllerManager, err = controlplane.StartControllerManager(ctx, o); err != nil {
+		return fmt.Errorf("%w (see %s)", err, s.Path(fileKCM))
+	}
+	if o.Log, err = s.createLog(fileScheduler); err != nil {
+		return err
+	}
+	if s.Scheduler, err = controlplane.StartScheduler(ctx, o); err != nil {
+		return fmt.Errorf("%w (see %s)", err, s.Path(fileScheduler))
+	}
+	return nil
+}
+
+// startWorkloads applies workloads.yaml with the real kubectl, as an
+// operator's cluster would have them, and waits until they are Ready.
+func (s *Sandbox) startWorkloads(ctx context.Context) error {
+	manifest := strings.ReplaceAll(workloads, "READY_AFTER", s.cfg.Pace.String())
+	if err := s.write(fileWorkloads, []byte(manifest), 0o600); err != nil {
+		return err
+	}
+	if _, err := s.kubectl(ctx, "apply", "-f", s.Path(fileWorkloads)); err != nil {
+		return fmt.Errorf("start the workloads: %w", err)
+	}
+	for _, w := range []string{"deployment/web", "daemonset/node-agent", "statefulset/db"} {
+		if _, err := s.kubectl(ctx, "rollout", "status", "--timeout=2m", "-n", metav1.NamespaceDefault, w); err != nil {
+			return fmt.Errorf("the workloads did not become Ready: %w", err)
+		}
+	}
+	_, err := s.kubectl(ctx, "wait", "--for=condition=Ready", "--timeout=2m", "-n", metav1.NamespaceDefault, "pod/debug")
+	return err
+}
+
 // startFleet starts the simulated machines (their Nodes appear in the API
 // server), writes their talosconfig and gives it to the controller the way
 // the README tells an admin to: kubectl create secret.
@@ -316,7 +404,9 @@ func (s *Sandbox) startFleet(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if s.Fleet, err = sim.Start(ctx, s.cfg.fleetSpec(logf), kube); err != nil {
+	spec := s.cfg.fleetSpec(logf)
+	spec.APIServer = s.Admin
+	if s.Fleet, err = sim.Start(ctx, spec, kube); err != nil {
 		return fmt.Errorf("start the simulated machines: %w", err)
 	}
 	tc, err := s.Fleet.Talosconfig().Bytes()
@@ -420,8 +510,9 @@ func shellQuote(s string) string {
 	return s
 }
 
-// Stop stops the controller, the fleet, kube-apiserver and etcd, in that
-// order, and removes the files the sandbox wrote. It is safe to call twice.
+// Stop stops the controller, the fleet, kube-scheduler,
+// kube-controller-manager, kube-apiserver and etcd, in that order, and
+// removes the files the sandbox wrote. It is safe to call twice.
 func (s *Sandbox) Stop() {
 	s.stopOnce.Do(func() {
 		if s.stopController != nil {
@@ -434,6 +525,11 @@ func (s *Sandbox) Stop() {
 		}
 		if s.Fleet != nil {
 			s.Fleet.Stop()
+		}
+		for _, p := range []*controlplane.Process{s.Scheduler, s.ControllerManager} {
+			if p != nil {
+				p.Stop()
+			}
 		}
 		if s.env != nil {
 			if err := s.env.Stop(); err != nil {

@@ -63,7 +63,7 @@ func TestDemo(t *testing.T) {
 	plugins := buildPlugin(t)
 	dir := filepath.Join(t.TempDir(), "sandbox")
 	var out, errOut bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	code := run(ctx, []string{"--demo", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins}, &out, &errOut)
 	t.Log(out.String())
@@ -74,6 +74,7 @@ func TestDemo(t *testing.T) {
 		"$ kubectl ichor upgrade talos --to v1.13.7 --name talos-upgrade",
 		"watch | ", // the live log of the first watch
 		"$ kubectl ichor retry talos-upgrade --watch",
+		"waiting: PodDisruptionBudget default/web (minAvailable 3", // the drain held by web's budget
 		"The demo ran as described",
 	} {
 		if !strings.Contains(out.String(), want) {
