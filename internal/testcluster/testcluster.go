@@ -5,7 +5,7 @@
 //
 // Nodes are cluster-scoped and the controller sees every Node, so tests
 // that use a fleet run one after another in a package; each removes its
-// Nodes and operations when it ends.
+// Nodes, operations and pods when it ends.
 //
 // With testenv's Components the world is a working cluster: the fleet's
 // machines run the pods the real controllers make and the real scheduler
@@ -27,6 +27,7 @@ import (
 
 	"go.uber.org/zap/zapcore"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
@@ -43,8 +44,8 @@ import (
 // spec has no name, logging to the test unless spec has a Logf, with
 // env's API server as the cluster's (Kubeconfig calls, processes of pods)
 // and, where env runs the node-lifecycle controller, Node Leases. When the
-// test ends it deletes the operations in opsNS, stops the fleet and waits
-// until its Nodes are gone.
+// test ends it deletes the operations in opsNS, the namespace and its pods,
+// stops the fleet and waits until its Nodes are gone.
 func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *sim.Fleet {
 	t.Helper()
 	if spec.Name == "" {
@@ -72,12 +73,37 @@ func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *si
 func cleanup(t testing.TB, env *testenv.Env, fleet *sim.Fleet, opsNS string) {
 	ctx := context.Background()
 	DeleteOperations(env, client.InNamespace(opsNS))
+	deleteWorkloads(t, env, opsNS)
 	fleet.Stop()
 	_ = env.Client.DeleteAllOf(ctx, &corev1.Node{})
 	testenv.Eventually(t, 30*time.Second, "the fleet's Nodes to be gone", func(ctx context.Context) (bool, error) {
 		var nodes corev1.NodeList
 		err := env.Client.List(ctx, &nodes)
 		return err == nil && len(nodes.Items) == 0, err
+	})
+}
+
+// deleteWorkloads deletes the test's namespace and its pods: the next
+// test's fleet has Nodes of the same names, whose kubelets would otherwise
+// run this test's pods (and a drain would wait for them), and its
+// controllers would make new ones. Once the namespace is terminating no
+// pod can be created in it; the pods left are removed at once, as the
+// pod-GC controller removes the pods of a Node that is gone.
+func deleteWorkloads(t testing.TB, env *testenv.Env, ns string) {
+	ctx := context.Background()
+	err := env.Client.Delete(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}})
+	if err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("delete namespace %s: %v", ns, err)
+		return
+	}
+	zero := int64(0)
+	testenv.Eventually(t, 30*time.Second, "the pods of "+ns+" to be gone", func(ctx context.Context) (bool, error) {
+		if err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(ns), client.GracePeriodSeconds(zero)); err != nil {
+			return false, err
+		}
+		var pods corev1.PodList
+		err := env.Client.List(ctx, &pods, client.InNamespace(ns))
+		return err == nil && len(pods.Items) == 0, err
 	})
 }
 
