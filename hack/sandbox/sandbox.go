@@ -48,9 +48,11 @@ const (
 	fileKCM         = "kube-controller-manager.log"
 	fileScheduler   = "kube-scheduler.log"
 	fileWorkloads   = "workloads.yaml"
+	// fileKustomization installs manifests/ without the controller's pods.
+	fileKustomization = "kustomization.yaml"
 )
 
-var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim, fileKCM, fileScheduler, fileWorkloads}
+var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization}
 
 // The sandbox's kubelets heartbeat as Talos's do (a 40s Node Lease), and
 // the node-lifecycle controller waits Kubernetes' default 50s before it
@@ -319,12 +321,28 @@ func renameContext(data []byte, name string) ([]byte, error) {
 }
 
 // install applies manifests/ with the real kubectl, as an admin installs
-// Ichor into a cluster, and waits until the CRD is served.
+// Ichor into a cluster, and waits until the CRD is served. The Deployment
+// gets no replicas: ichor-controller runs in this process in its place
+// (its pods would run bin/ichor-controller, a second and third controller
+// of a version of their own), through a kustomization in the sandbox's
+// directory over manifests/.
 func (s *Sandbox) install(ctx context.Context) error {
-	if _, err := s.kubectl(ctx, "apply", "--server-side", "-k", filepath.Join(s.cfg.Root, "manifests")); err != nil {
+	dir, err := filepath.Abs(s.cfg.Dir)
+	if err != nil {
 		return fmt.Errorf("install Ichor: %w", err)
 	}
-	_, err := s.kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/talosoperations.ichor.maesh.dev")
+	manifests, err := filepath.Rel(dir, filepath.Join(s.cfg.Root, "manifests"))
+	if err != nil {
+		return fmt.Errorf("install Ichor: %w", err)
+	}
+	kustomization := fmt.Sprintf("resources:\n  - %s\nreplicas:\n  - name: ichor-controller\n    count: 0\n", manifests)
+	if err := s.write(fileKustomization, []byte(kustomization), 0o600); err != nil {
+		return err
+	}
+	if _, err := s.kubectl(ctx, "apply", "--server-side", "-k", dir); err != nil {
+		return fmt.Errorf("install Ichor: %w", err)
+	}
+	_, err = s.kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/talosoperations.ichor.maesh.dev")
 	return err
 }
 

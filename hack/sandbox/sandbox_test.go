@@ -144,6 +144,12 @@ func TestInterrupt(t *testing.T) {
 	if err != nil {
 		t.Errorf("the talosconfig Secret: %v\n%s", err, secret)
 	}
+	// The controller runs in the sandbox's process only: the Deployment's
+	// pods would run bin/ichor-controller beside it.
+	replicas, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "deployment", "-n", "ichor-system", "ichor-controller", "-o", "jsonpath={.spec.replicas}").CombinedOutput()
+	if err != nil || string(replicas) != "0" {
+		t.Errorf("the ichor-controller Deployment's replicas: %v %q; want 0", err, replicas)
+	}
 	envFile, err := os.ReadFile(filepath.Join(dir, fileEnv))
 	if err != nil || !strings.Contains(string(envFile), "export KUBECONFIG="+filepath.Join(dir, fileKubeconfig)) {
 		t.Errorf("env file: %v\n%s", err, envFile)
