@@ -209,16 +209,29 @@ func (r *run) job(a Action) error {
 			out, err := r.lockCommand("release", "--identity", id)
 			r.tl.add(time.Now(), "job %s: lock release: %s%v", a.Op, out, errOrNil(err))
 			err = r.finishJob(job)
+			r.jobOver(a.Op, err)
 			r.tl.add(time.Now(), "job %s: complete %v", a.Op, errOrNil(err))
 		case "complete":
 			err := r.finishJob(job)
+			r.jobOver(a.Op, err)
 			r.tl.add(time.Now(), "job %s: complete without releasing %v", a.Op, errOrNil(err))
 		case "delete":
 			err := r.env.Client.Delete(context.Background(), job, client.PropagationPolicy(metav1.DeletePropagationBackground))
+			r.jobOver(a.Op, err)
 			r.tl.add(time.Now(), "job %s: deleted without releasing %v", a.Op, errOrNil(err))
 		}
 	}()
 	return nil
+}
+
+// jobOver notes when a Job completed or was deleted (unless that failed).
+func (r *run) jobOver(name string, err error) {
+	if err != nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.jobsOver[name] = time.Now()
 }
 
 func errOrNil(err error) string {

@@ -31,6 +31,9 @@ type History struct {
 	Unhealthy []Interval
 	// Ops holds each operation's versions in the order they were seen.
 	Ops map[string][]OpState
+	// JobsOver maps each Job that took the lock, once it completed or was
+	// deleted (without releasing the lock, or after), to when it did.
+	JobsOver map[string]time.Time
 	// End is set once faults are cleared and failures retried.
 	End *End
 }
@@ -98,6 +101,20 @@ func (h *History) holderAt(t time.Time) string {
 		holder = c.Holder
 	}
 	return holder
+}
+
+// at is an operation's version as last seen at or before t, and whether
+// one was.
+func (h *History) at(op string, t time.Time) (OpState, bool) {
+	var st OpState
+	seen := false
+	for _, v := range h.Ops[op] {
+		if v.Seen.After(t) {
+			break
+		}
+		st, seen = v, true
+	}
+	return st, seen
 }
 
 // last is an operation's latest version, and whether it was seen at all.

@@ -58,7 +58,7 @@ var Invariants = []Invariant{
 	{"at-most-once", "every irreversible call accepted at most once per step and attempt", checkAtMostOnce},
 	{"evidence", "a node action done only once its call was accepted: reboot, shutdown, reset", checkEvidence},
 	{"installed-once", "every machine of a succeeded upgrade installed once", checkInstalledOnce},
-	{"stale-holder", "the lock never held by a settled or deleted operation once the controller has seen it", checkStaleHolder},
+	{"stale-holder", "the lock never held by a settled or deleted operation, nor by a finished Job that a waiter queues behind, once the controller has seen it", checkStaleHolder},
 	{"lost", "no operation lost, none left half-deleted, no Node left cordoned by an upgrade or reboot that is over", checkLost},
 	{"succeeded", "after faults are cleared and failures retried, every operation ends Succeeded", checkSucceeded},
 }
@@ -309,10 +309,44 @@ func checkStaleHolder(h *History) []Violation {
 			}
 		}
 	}
+	out = append(out, checkStaleJobs(h)...)
 	if h.End != nil {
 		if op, ok := isOp(h.End.Holder); ok {
 			if _, done := over[op]; done {
 				out = append(out, Violation{At: h.Now, What: fmt.Sprintf("%s holds the cluster lock at the end, though it was %s", h.End.Holder, why[op])})
+			}
+		}
+	}
+	return out
+}
+
+// checkStaleJobs: a Job that completed or was deleted without releasing
+// the lock never takes it again, and loses it to an operation that waits
+// for it within lingering (a Job that nobody waits for may keep it: it is
+// taken over, not released for it).
+func checkStaleJobs(h *History) []Violation {
+	var out []Violation
+	job := func(holder string) (string, bool) {
+		id, err := ichorv1.ParseLockHolder(holder)
+		return id.Name, err == nil && id.Kind == ichorv1.HolderJob
+	}
+	for _, c := range h.Lease {
+		if name, ok := job(c.Holder); ok {
+			if t, over := h.JobsOver[name]; over && c.At.After(t) {
+				out = append(out, Violation{At: c.At, What: fmt.Sprintf("%s took the cluster lock at %s, though the Job was over at %s", c.Holder, h.rel(c.At), h.rel(t))})
+			}
+		}
+	}
+	for _, name := range sortedKeys(h.JobsOver) {
+		t := h.JobsOver[name].Add(lingering)
+		holder := h.holderAt(t)
+		if held, ok := job(holder); !ok || held != name || !h.Now.After(t) {
+			continue
+		}
+		for _, op := range sortedKeys(h.Ops) {
+			if o, seen := h.at(op, t); seen && !o.Gone && o.Reason == ichorv1.ReasonClusterLockHeld {
+				out = append(out, Violation{At: t, What: fmt.Sprintf("%s still held the cluster lock %s after the Job was over, while %s waited for it", holder, lingering, op)})
+				break
 			}
 		}
 	}

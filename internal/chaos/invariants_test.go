@@ -231,6 +231,36 @@ func TestInvariants(t *testing.T) {
 			[]string{"stale-holder", "stale-holder"}, "still held the cluster lock",
 		},
 		{
+			// Item 6 and the lock's takeover: a Job deleted without
+			// releasing the lock keeps it while an operation waits.
+			"the lock held by a finished Job while an operation waits",
+			func() *History {
+				w := newWorld().node("r", "reboot", "w-1", 0).lock(0, ichorv1.JobIdentity("ops", "cilium"))
+				w.h.Ops["r"][0].Phase, w.h.Ops["r"][0].Reason = "Paused", ichorv1.ReasonClusterLockHeld
+				w.h.JobsOver = map[string]time.Time{"cilium": ms(1000)}
+				return w.h
+			}(),
+			[]string{"stale-holder"}, "after the Job was over, while r waited",
+		},
+		{
+			"the lock kept by a finished Job that nobody waits for",
+			func() *History {
+				w := newWorld().lock(0, ichorv1.JobIdentity("ops", "cilium"))
+				w.h.JobsOver = map[string]time.Time{"cilium": ms(1000)}
+				return w.h
+			}(),
+			nil, "",
+		},
+		{
+			"the lock taken by a finished Job",
+			func() *History {
+				w := newWorld().lock(0, ichorv1.JobIdentity("ops", "cilium")).lock(500, "").lock(2000, ichorv1.JobIdentity("ops", "cilium"))
+				w.h.JobsOver = map[string]time.Time{"cilium": ms(1000)}
+				return w.h
+			}(),
+			[]string{"stale-holder"}, "though the Job was over at t+1.000s",
+		},
+		{
 			"an operation left unfinished",
 			newWorld().upgrade("a", 1, 0, "w-1").lock(0, opID("a")).ended(opID("a")).h,
 			[]string{"succeeded"}, "a ended Running",

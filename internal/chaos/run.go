@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -88,6 +89,7 @@ type run struct {
 	created   []string
 	deleted   map[string]bool
 	cordoned  map[string]bool
+	jobsOver  map[string]time.Time
 	res       Result
 	unhealthy []Interval
 	seen      map[string]int // violation key -> index in res.Violations
@@ -111,7 +113,7 @@ func Execute(t *testing.T, env *testenv.Env, cfg Config) Result {
 		t: t, env: env, cfg: cfg, ctx: ctx,
 		rng:      rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5eed)),
 		tl:       &timeline{},
-		gapsDone: map[string]bool{}, byAddr: map[string]string{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, seen: map[string]int{},
+		gapsDone: map[string]bool{}, byAddr: map[string]string{}, deleted: map[string]bool{}, cordoned: map[string]bool{}, jobsOver: map[string]time.Time{}, seen: map[string]int{},
 		roles: map[string]sim.Role{},
 	}
 	r.res.Seed = cfg.Seed
@@ -415,6 +417,7 @@ func (r *run) history() *History {
 	r.obs.snapshot(h)
 	r.mu.Lock()
 	h.Unhealthy = append([]Interval(nil), r.unhealthy...)
+	h.JobsOver = maps.Clone(r.jobsOver)
 	r.mu.Unlock()
 	h.Now = time.Now()
 	return h
