@@ -24,7 +24,8 @@ SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 # The chaos campaign (make chaos): its seed (0 takes one from the clock; run i
 # of a campaign runs with SEED+i, so SEED=<a run's seed> RUNS=1 reruns that
 # run), how many runs (MIN_KILLS goes on until that many kills), and per run
-# the kills at random moments, faults, operator actions and the schedule's span.
+# the kills at random moments, faults, operator actions and the schedule's span;
+# RERUN=false does not run a run that found violations again from its seed.
 SEED ?= 0
 RUNS ?= 10
 MIN_KILLS ?= 0
@@ -32,6 +33,7 @@ KILLS ?= 3
 FAULTS ?= 6
 ACTIONS ?= 6
 SPAN ?= 12s
+RERUN ?= true
 
 .PHONY: all build generate test bench chaos lint envtest-assets clean sandbox demo image dist release
 
@@ -67,7 +69,7 @@ chaos: ## Run the seeded fault campaign (kills, Talos faults, operator actions) 
 	@assets=$$(hack/envtest-assets.sh); \
 	KUBEBUILDER_ASSETS=$$assets go test -count=1 -timeout 4h -v -run '^TestCampaign$$' ./internal/chaos -args \
 	  -chaos.campaign -chaos.seed=$(SEED) -chaos.runs=$(RUNS) -chaos.min-kills=$(MIN_KILLS) \
-	  -chaos.kills=$(KILLS) -chaos.faults=$(FAULTS) -chaos.actions=$(ACTIONS) -chaos.span=$(SPAN)
+	  -chaos.kills=$(KILLS) -chaos.faults=$(FAULTS) -chaos.actions=$(ACTIONS) -chaos.span=$(SPAN) -chaos.rerun=$(RERUN)
 
 lint: ## go vet and a gofmt check.
 	go vet ./...

@@ -24,6 +24,7 @@ var (
 	faults   = flag.Int("chaos.faults", 6, "Talos faults per run")
 	actions  = flag.Int("chaos.actions", 6, "operator actions per run")
 	span     = flag.Duration("chaos.span", 12*time.Second, "time over which a run's schedule is spread")
+	rerun    = flag.Bool("chaos.rerun", true, "run a run that found violations once more from its seed, to see whether they come back")
 	logPath  = flag.String("chaos.log", "", "file for the controllers' and the simulator's logs (default: ichor-chaos.log in the temporary directory)")
 )
 
@@ -85,18 +86,30 @@ func campaignRuns(t *testing.T, r *Report, runs, minKills int) {
 	logf := logTo(t, *logPath)
 	for i := 0; i < runs || r.Kills() < minKills; i++ {
 		cfg := Config{Seed: r.Seed + int64(i), Params: r.Params, Gaps: true, Settle: 2 * time.Minute, Logf: logf}
+		var res Result
 		t.Run(fmt.Sprintf("seed=%d", cfg.Seed), func(t *testing.T) {
-			res := Execute(t, env, cfg)
-			r.Runs = append(r.Runs, res)
-			t.Logf("seed %d: %d kills (%d in gaps), %d leader changes, %d faults, %d operator actions, %d operations (%d succeeded), %d violations, %s",
-				res.Seed, res.Kills, res.GapKills, res.LeaderChanges, res.Faults, res.OperatorActions, res.Operations, res.Succeeded,
-				len(res.Violations), res.Took.Round(time.Second))
+			res = Execute(t, env, cfg)
+			logResult(t, res)
 		})
+		if len(res.Violations) > 0 && *rerun {
+			t.Run(fmt.Sprintf("seed=%d/rerun", cfg.Seed), func(t *testing.T) {
+				again := Execute(t, env, cfg)
+				logResult(t, again)
+				res.Rerun = &again
+			})
+		}
+		r.Runs = append(r.Runs, res)
 	}
 	fmt.Printf("\n%s\nlogs: %s\n", r, *logPath)
 	if n := r.Violations(); n > 0 {
 		t.Errorf("%d invariant violations; the report above has each one's seed, history and rerun command", n)
 	}
+}
+
+func logResult(t *testing.T, res Result) {
+	t.Logf("seed %d: %d kills (%d in gaps), %d leader changes, %d faults, %d operator actions, %d operations (%d succeeded), %d violations, %s",
+		res.Seed, res.Kills, res.GapKills, res.LeaderChanges, res.Faults, res.OperatorActions, res.Operations, res.Succeeded,
+		len(res.Violations), res.Took.Round(time.Second))
 }
 
 // logTo appends the simulator's lines to the log file.

@@ -57,7 +57,7 @@ func (r Report) String() string {
 	row("operations", "%d (%d succeeded, %d deleted); %d Jobs took the lock, %d control planes joined",
 		r.sum(func(x Result) int { return x.Operations }), r.sum(func(x Result) int { return x.Succeeded }),
 		r.sum(func(x Result) int { return x.Deleted }), r.sum(func(x Result) int { return x.Jobs }), r.sum(func(x Result) int { return x.Joins }))
-	row("invariant violations", "%d%s", r.Violations(), r.byInvariant())
+	row("invariant violations", "%d%s", r.Violations(), byInvariant(r.Runs))
 	fmt.Fprintf(&b, "rerun: %s\n", r.rerun(r.Seed, len(r.Runs)))
 	n := 0
 	for _, x := range r.Runs {
@@ -66,13 +66,20 @@ func (r Report) String() string {
 			fmt.Fprintf(&b, "\nviolation %d [%s], run seed %d, at t+%.3fs:\n  %s\n", n, v.Invariant, x.Seed, v.At.Sub(x.Start).Seconds(), v.What)
 			fmt.Fprintf(&b, "  rerun this run: %s\n  history:\n%s\n", r.rerun(x.Seed, 1), x.Histories[i])
 		}
+		if x.Rerun != nil {
+			fmt.Fprintf(&b, "\nrun seed %d, rerun from its seed: %d violations%s\n", x.Seed, len(x.Rerun.Violations), byInvariant([]Result{*x.Rerun}))
+			for _, v := range x.Rerun.Violations {
+				fmt.Fprintf(&b, "  [%s] at t+%.3fs: %s\n", v.Invariant, v.At.Sub(x.Rerun.Start).Seconds(), v.What)
+			}
+		}
 	}
 	return b.String()
 }
 
-func (r Report) byInvariant() string {
+// byInvariant counts the violations of runs per invariant, as " (name n, ...)".
+func byInvariant(runs []Result) string {
 	count := map[string]int{}
-	for _, x := range r.Runs {
+	for _, x := range runs {
 		for _, v := range x.Violations {
 			count[v.Invariant]++
 		}

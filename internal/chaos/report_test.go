@@ -19,6 +19,8 @@ func TestReport(t *testing.T) {
 			"  t+23.644s   KILL replica 10 after reset-2's reset on chaos-cp-1 (attempt 1) returned ok, before status records it\n" +
 			"  t+27.479s   sim: chaos-cp-1 accepts MachineService/Reset"},
 	}
+	broken.Rerun = &Result{Seed: 42, Start: start, Violations: []Violation{{Invariant: "at-most-once", At: start.Add(26100 * time.Millisecond),
+		What: "chaos-cp-1 accepted MachineService/Reset 2 times under ichor-controller/machine/chaos-cp-1, which ran it in 1 attempt(s)"}}}
 	r := Report{Seed: 41, Params: Params{Span: 12 * time.Second, Kills: 3, Faults: 6, OperatorActions: 6}, Runs: []Result{clean}}
 	golden(t, "report-clean.golden", r.String())
 	r.Runs = append(r.Runs, broken)

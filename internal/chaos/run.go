@@ -64,6 +64,10 @@ type Result struct {
 	// Start is when the run began; Took how long it took.
 	Start time.Time
 	Took  time.Duration
+	// Rerun is the run made again from the same seed after this one found
+	// violations (nil if it found none, or the campaign does not rerun):
+	// whether they come back says whether the seed reproduces them.
+	Rerun *Result
 }
 
 // run is one run: a fleet, two controller replicas, a schedule, watches.
