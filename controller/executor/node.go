@@ -196,13 +196,19 @@ func resetOptions(r *ichorv1.ResetOptions) (graceful, reboot bool, wipe talos.Wi
 }
 
 // waitDownStep waits until the machine that was sent a shutdown or reset
-// has gone: its Node NotReady and the Talos API no longer answering.
+// has gone: its Node NotReady and the Talos API no longer answering. A
+// machine that answers with a boot ID other than the one recorded before
+// the call went down and came back (a reset with reboot, a machine powered
+// on again) while nobody watched, a controller restart say: it is done.
 func waitDownStep() Step {
 	return Step{Name: StepWaitDown, Timeout: 15 * time.Minute, Wait: func(ctx context.Context, e *Env) (bool, Outcome, error) {
 		if e.Node == nil {
 			return true, Outcome{Message: "down; its Node is gone"}, nil
 		}
 		if machine.Ready(e.Node) {
+			if bootedSince(ctx, e) {
+				return true, Outcome{Message: "went down and is back: the machine has booted again since"}, nil
+			}
 			return false, Outcome{Message: "waiting for the machine to go down"}, nil
 		}
 		if err := e.requireAddress(); err != nil {
@@ -213,6 +219,18 @@ func waitDownStep() Step {
 		}
 		return true, Outcome{Message: "down"}, nil
 	}}
+}
+
+// bootedSince says whether the machine answers with a boot ID other than
+// the one status recorded before the call (false when it does not answer).
+func bootedSince(ctx context.Context, e *Env) bool {
+	if e.Machine.BootID == "" || e.Address == "" {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	boot, err := talos.BootID(ctx, e.Talos, e.Address)
+	return err == nil && boot != e.Machine.BootID
 }
 
 func restartServiceStep() Step {

@@ -245,17 +245,21 @@ func TestCallNotSentTwiceAfterACrash(t *testing.T) {
 		method string
 		// gone: the next controller starts once the machine is off.
 		gone bool
+		// back: a reset with reboot, and the next controller starts once
+		// the machine has come back (it went down while nobody watched).
+		back bool
 	}{
-		{"reset, machine still stopping", ichorv1.NodeReset, "reset", "MachineService/Reset", false},
-		{"reset, machine gone", ichorv1.NodeReset, "reset", "MachineService/Reset", true},
-		{"shutdown, machine still stopping", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", false},
-		{"shutdown, machine gone", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", true},
-		{"reboot, machine gone", ichorv1.NodeReboot, "reboot", "MachineService/Reboot", true},
+		{"reset, machine still stopping", ichorv1.NodeReset, "reset", "MachineService/Reset", false, false},
+		{"reset, machine gone", ichorv1.NodeReset, "reset", "MachineService/Reset", true, false},
+		{"reset with reboot, machine back", ichorv1.NodeReset, "reset", "MachineService/Reset", false, true},
+		{"shutdown, machine still stopping", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", false, false},
+		{"shutdown, machine gone", ichorv1.NodeShutdown, "shutdown", "MachineService/Shutdown", true, false},
+		{"reboot, machine gone", ichorv1.NodeReboot, "reboot", "MachineService/Reboot", true, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			spec := sim.Cluster("", 1, 1)
-			if !tt.gone {
+			if !tt.gone && !tt.back {
 				// Long enough for the next controller to find it stopping.
 				spec.Durations.Stop = 10 * time.Second
 			}
@@ -274,6 +278,9 @@ func TestCallNotSentTwiceAfterACrash(t *testing.T) {
 			}))
 			s := nodeSpec(w.Name(), tt.action)
 			s.Drain = &ichorv1.Drain{Disabled: true}
+			if tt.back {
+				s.Node.Reset = &ichorv1.ResetOptions{Reboot: true}
+			}
 			c.create("action", s)
 			select {
 			case <-killed:
@@ -282,6 +289,12 @@ func TestCallNotSentTwiceAfterACrash(t *testing.T) {
 			}
 			if tt.gone {
 				testenv.Eventually(t, time.Minute, w.Name()+" gone", func(context.Context) (bool, error) { return w.Down(), nil })
+			}
+			if tt.back {
+				testenv.Eventually(t, time.Minute, w.Name()+" reset and back", func(context.Context) (bool, error) {
+					acts := c.fleet.Recorder().Actions(w.Name())
+					return len(acts) == 1 && !acts[0].End.IsZero() && !w.Down(), nil
+				})
 			}
 			c.start()
 			if tt.gone && tt.action == ichorv1.NodeReboot {
