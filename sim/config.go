@@ -114,6 +114,21 @@ func parseInstaller(ref string) (installer, error) {
 	return in, nil
 }
 
+// resolve is parseInstaller against the fleet's registry, which lacks the
+// Unpublished versions.
+func (f *Fleet) resolve(ref string) (installer, error) {
+	in, err := parseInstaller(ref)
+	if err != nil {
+		return installer{}, err
+	}
+	for _, v := range f.spec.Unpublished {
+		if "v"+strings.TrimPrefix(v, "v") == in.version {
+			return installer{}, fmt.Errorf("failed to resolve reference %q: %s: not found", ref, ref)
+		}
+	}
+	return in, nil
+}
+
 // pinned is the digest reference a pull of ref returns.
 func pinned(ref string) string {
 	name, _, _ := strings.Cut(ref, "@")

@@ -114,8 +114,11 @@
 // installer image change at the next boot, which also brings a new boot ID.
 // The simulated registry has every installer tagged with a version
 // (factory.talos.dev/<platform>-installer[-secureboot]/<schematic>:<v>, the
-// legacy factory.talos.dev/installer/..., ghcr.io/siderolabs/installer:<v>);
-// anything else is not found.
+// legacy factory.talos.dev/installer/..., ghcr.io/siderolabs/installer:<v>)
+// except the versions Spec.Unpublished names; anything else is not found
+// (NotFound from ImageService.Pull and the deprecated ImagePull, which
+// pulls into the CRI containerd). A pull of an image already in the store
+// does not download it again.
 //
 // Talos cordons a Node itself while upgrading (legacy path), shutting down
 // or resetting, only if it was schedulable, with the talos.dev/cordoned

@@ -41,7 +41,7 @@ func (m *Machine) pull(inst *common.ContainerdInstance, ref string) (string, err
 	if inst == nil {
 		return "", status.Error(codes.InvalidArgument, "containerd instance is required")
 	}
-	if _, err := parseInstaller(ref); err != nil {
+	if _, err := m.f.resolve(ref); err != nil {
 		return "", status.Errorf(codes.NotFound, "error pulling image: %v", err)
 	}
 	p := pinned(ref)
@@ -51,6 +51,17 @@ func (m *Machine) pull(inst *common.ContainerdInstance, ref string) (string, err
 	m.images[key+"|"+p] = ref
 	m.mu.Unlock()
 	return p, nil
+}
+
+// hasImage reports whether ref was pulled into the containerd instance.
+func (m *Machine) hasImage(inst *common.ContainerdInstance, ref string) bool {
+	if inst == nil {
+		return false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.images[instanceKey(inst)+"|"+ref]
+	return ok
 }
 
 // imageService is ImageService (Talos 1.13 and later).
@@ -64,8 +75,11 @@ func (imageService) Pull(req *machine.ImageServicePullRequest, srv grpc.ServerSt
 		return err
 	}
 	start := time.Now()
-	if err := sleep(srv.Context(), m.f.spec.Durations.ImagePull); err != nil {
-		return status.FromContextError(err).Err()
+	// An image already in the store only resolves; a new one downloads.
+	if !m.hasImage(req.Containerd, req.ImageRef) {
+		if err := sleep(srv.Context(), m.f.spec.Durations.ImagePull); err != nil {
+			return status.FromContextError(err).Err()
+		}
 	}
 	p, err := m.pull(req.Containerd, req.ImageRef)
 	if err != nil {

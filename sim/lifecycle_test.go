@@ -18,6 +18,7 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"github.com/siderolabs/talos/pkg/machinery/role"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"maesh.dev/ichor/internal/testenv"
@@ -610,5 +611,47 @@ func TestApplyConfiguration(t *testing.T) {
 	waitRebooted(t, w, boot)
 	if w.KubeletVersion() != "1.35.4" {
 		t.Fatalf("kubelet %s after the reboot", w.KubeletVersion())
+	}
+}
+
+// TestUnpublishedInstaller: the registry lacks Spec.Unpublished versions; a
+// pull of their installer is NotFound through ImageService and through the
+// deprecated ImagePull (as Talos answers containerd's not-found), while a
+// published version pulls, and into the CRI containerd for ImagePull.
+func TestUnpublishedInstaller(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.Unpublished = []string{"v1.13.70"}
+	spec.Machines[1].Talos = "v1.13.0"
+	f := start(t, spec)
+	w := f.Machines()[1]
+	c := talos(t, f)
+	ctx, cancel := timeout()
+	defer cancel()
+	nctx := client.WithNode(ctx, w.Address())
+	ci := &common.ContainerdInstance{Driver: common.ContainerDriver_CRI, Namespace: common.ContainerdNamespace_NS_SYSTEM}
+	installer := func(v string) string { return "factory.talos.dev/metal-installer/" + sim.EmptySchematic + ":" + v }
+	tests := []struct {
+		name    string
+		pull    func(image string) error
+		version string
+		code    codes.Code
+	}{
+		{"ImageService unpublished", func(i string) error { _, err := pull(nctx, c, ci, i); return err }, "v1.13.70", codes.NotFound},
+		{"ImageService published", func(i string) error { _, err := pull(nctx, c, ci, i); return err }, "v1.13.7", codes.OK},
+		{"ImagePull unpublished", func(i string) error { return c.ImagePull(nctx, common.ContainerdNamespace_NS_SYSTEM, i) }, "v1.13.70", codes.NotFound},
+		{"ImagePull published", func(i string) error { return c.ImagePull(nctx, common.ContainerdNamespace_NS_SYSTEM, i) }, "v1.13.6", codes.OK},
+		{"ImagePull without a namespace", func(i string) error { return c.ImagePull(nctx, common.ContainerdNamespace_NS_UNKNOWN, i) }, "v1.13.6", codes.InvalidArgument},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.pull(installer(tt.version))
+			if got := status.Code(err); got != tt.code {
+				t.Fatalf("pull %s: %v, want %s", tt.version, err, tt.code)
+			}
+		})
+	}
+	// ImagePull pulls into the CRI containerd, where LifecycleService finds it.
+	if code, err := lifecycleUpgrade(nctx, c, ci, installer("v1.13.6")); err != nil || code != 0 {
+		t.Fatalf("install after ImagePull: exit code %d, %v", code, err)
 	}
 }

@@ -134,7 +134,7 @@ func (s *machined) Reset(ctx context.Context, in *machine.ResetRequest) (*machin
 // mutex and validates etcd, then starts the upgrade sequence and returns.
 func (s *machined) Upgrade(ctx context.Context, in *machine.UpgradeRequest) (*machine.UpgradeResponse, error) {
 	m := callee(ctx)
-	inst, err := parseInstaller(in.Image)
+	inst, err := s.f.resolve(in.Image)
 	if err != nil {
 		return nil, fmt.Errorf("error validating installer image %q: %w", in.Image, err)
 	}
@@ -519,10 +519,16 @@ func (s *machined) ApplyConfiguration(ctx context.Context, in *machine.ApplyConf
 // ImagePull is the deprecated MachineService.ImagePull.
 func (s *machined) ImagePull(ctx context.Context, in *machine.ImagePullRequest) (*machine.ImagePullResponse, error) {
 	m := callee(ctx)
-	if err := sleep(ctx, s.f.spec.Durations.ImagePull); err != nil {
-		return nil, status.FromContextError(err).Err()
+	// Talos pulls into the CRI containerd, in the namespace asked for.
+	if in.Namespace != common.ContainerdNamespace_NS_CRI && in.Namespace != common.ContainerdNamespace_NS_SYSTEM {
+		return nil, status.Errorf(codes.InvalidArgument, "invalid namespace %s", in.Namespace)
 	}
-	inst := &common.ContainerdInstance{Driver: common.ContainerDriver_CONTAINERD, Namespace: in.Namespace}
+	inst := &common.ContainerdInstance{Driver: common.ContainerDriver_CRI, Namespace: in.Namespace}
+	if !m.hasImage(inst, in.Reference) {
+		if err := sleep(ctx, s.f.spec.Durations.ImagePull); err != nil {
+			return nil, status.FromContextError(err).Err()
+		}
+	}
 	if _, err := m.pull(inst, in.Reference); err != nil {
 		return nil, err
 	}

@@ -24,12 +24,15 @@ var (
 // Steps of the talos kind.
 const (
 	StepInspect = "inspect"
+	StepPull    = "pull"
 	StepInstall = "install"
 	StepReboot  = "reboot"
 )
 
 // TalosUpgrade upgrades Talos (and the installer schematic) one machine at a
-// time: inspect (version, boot ID, schematic), etcd health (control planes),
+// time: inspect (version, boot ID, schematic), pull the installer (before
+// anything disrupts the machine, so a version the registry does not have
+// fails on a machine still in service), etcd health (control planes),
 // cordon, drain, install, reboot, wait until it is back on the target with a
 // new boot ID, uncordon. Machines below 1.13 install and reboot in one legacy
 // MachineService.Upgrade call; 1.13 and later pull the installer, run
@@ -61,7 +64,7 @@ func (TalosUpgrade) Check(context.Context, *Env) []string { return nil }
 
 // Steps implements Executor.
 func (TalosUpgrade) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []Step {
-	steps := []Step{inspectStep()}
+	steps := []Step{inspectStep(), pullStep()}
 	if m.Role == ichorv1.RoleControlPlane {
 		steps = append(steps, etcdHealthStep())
 	}
@@ -103,6 +106,32 @@ func inspectStep() Step {
 			from = f.Version
 		}
 		return Outcome{From: from, BootID: f.BootID}, nil
+	}}
+}
+
+// pullStep pulls the installer onto the machine before it is cordoned or
+// drained: ImageService.Pull, or the deprecated MachineService.ImagePull
+// on hosts that do not have ImageService (below 1.13). A pull that fails
+// (a version the registry does not have, a registry out of reach) is a
+// failed step on a machine still in service. The install pulls again,
+// from the machine's cache.
+func pullStep() Step {
+	return Step{Name: StepPull, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
+		image, err := installerImage(ctx, e)
+		if err != nil {
+			return Outcome{}, err
+		}
+		err = talos.Pull(ctx, e.Talos, e.Address, image)
+		if status.Code(err) == codes.Unimplemented {
+			err = talos.PullLegacy(ctx, e.Talos, e.Address, image)
+		}
+		if err != nil {
+			return Outcome{}, Fail("PullFailed", "%w; the machine was not disturbed", err)
+		}
+		return Outcome{Message: "pulled " + image}, nil
 	}}
 }
 

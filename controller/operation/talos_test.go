@@ -3,6 +3,7 @@ package operation_test
 import (
 	"context"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
@@ -213,5 +214,64 @@ func TestHoldAfterStart(t *testing.T) {
 	}
 	if n := rec.UpgradesApplied(w(2)); n != 1 {
 		t.Errorf("%s: %d upgrades, want 1", w(2), n)
+	}
+}
+
+// TestPullFailsBeforeDisruption: an installer the registry does not have (a
+// typo, v1.13.70) is
+// found on the first machine before anything is disrupted: the pull (the
+// legacy MachineService.ImagePull on hosts below 1.13) is a failed step on
+// a machine still in service, every Node stays schedulable, and nothing is
+// drained, installed or rebooted.
+func TestPullFailsBeforeDisruption(t *testing.T) {
+	tests := []struct{ name, from, method string }{
+		{"ImageService within 1.13", "v1.13.2", "ImageService/Pull"},
+		{"legacy ImagePull from 1.12", "v1.12.4", "MachineService/ImagePull"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := sim.Cluster("", 1, 2)
+			spec.Unpublished = []string{"v1.13.70"}
+			for i := range spec.Machines {
+				spec.Machines[i].Talos = tt.from
+			}
+			c := newCluster(t, spec)
+			c.start()
+			c.create("typo", talosSpec("v1.13.70"))
+			got := c.waitFor("typo", "to fail on the pull", time.Minute, func(op *ichorv1.TalosOperation) bool { return op.StepFailed() })
+			first := c.fleet.Machines()[0].Name()
+			if got.Status.FailureReason != "PullFailed" {
+				t.Errorf("failureReason %q, want PullFailed", got.Status.FailureReason)
+			}
+			for _, m := range got.Status.Machines {
+				switch {
+				case m.Name == first && (m.Phase != ichorv1.MachineFailed || m.Step != "pull" || !strings.Contains(m.Message, "the machine was not disturbed")):
+					t.Errorf("%s: %s at %s: %q; want Failed at pull", m.Name, m.Phase, m.Step, m.Message)
+				case m.Name != first && m.Phase != ichorv1.MachinePending:
+					t.Errorf("%s is %s, want Pending", m.Name, m.Phase)
+				}
+			}
+			rec := c.fleet.Recorder()
+			if n := rec.Calls(first, tt.method); n == 0 {
+				t.Errorf("%s was never asked to pull through %s", first, tt.method)
+			}
+			for _, m := range c.fleet.Machines() {
+				node := &corev1.Node{}
+				if err := env.Client.Get(context.Background(), client.ObjectKey{Name: m.Name()}, node); err != nil {
+					t.Fatal(err)
+				}
+				if node.Spec.Unschedulable {
+					t.Errorf("Node %s was cordoned", m.Name())
+				}
+				for _, method := range []string{"MachineService/Upgrade", "LifecycleService/Upgrade", "Reboot"} {
+					if n := rec.Calls(m.Name(), method); n != 0 {
+						t.Errorf("%s: %s called %d times", m.Name(), method, n)
+					}
+				}
+				if a := rec.Actions(m.Name()); len(a) != 0 {
+					t.Errorf("%s was disrupted: %+v", m.Name(), a)
+				}
+			}
+		})
 	}
 }

@@ -90,6 +90,7 @@ func TestTalosChecks(t *testing.T) {
 	runCases(t, []checkCase{
 		{name: "one minor up passes", spec: talosOp("v1.13.7"), cluster: on112},
 		{name: "a patch up passes", spec: talosOp("v1.12.7"), cluster: on112},
+		{name: "a patch newer than the table lists passes", spec: talosOp("v1.13.70"), cluster: on112},
 		{name: "without Cilium passes", spec: talosOp("v1.13.7"), cluster: fleet("v1.12.4", "v1.35.2", "")},
 		{name: "pre-release", spec: talosOp("v1.13.0-beta.1"), cluster: on112, want: []Failure{
 			{TalosVersionFinal, "Talos v1.13.0-beta.1 is not a final release (it has a pre-release or build suffix); pick a final release such as v1.13.7"},
@@ -129,7 +130,7 @@ func TestTalosChecks(t *testing.T) {
 				{TalosUpgradeableFrom, "Talos v1.13.7 cannot be installed over v1.10.3 (on w-2): host version 1.10.3 is too old to upgrade to Talos 1.13.7; Talos 1.13 installs over Talos 1.11 to 1.14"},
 			}},
 		{name: "newer than Ichor knows", spec: talosOp("v1.14.0"), cluster: on112, want: []Failure{
-			{TalosVersionKnown, "Talos v1.14.0 is newer than any Talos this Ichor knows (1.10 to 1.13), so it cannot check the upgrade; pick a version up to v1.13.7, or upgrade Ichor first"},
+			{TalosVersionKnown, "Talos v1.14.0 is newer than any Talos this Ichor knows (1.10 to 1.13), so it cannot check the upgrade; pick a Talos 1.13 release or older (the latest 1.13 patch this Ichor lists is v1.13.7; newer patches are accepted), or upgrade Ichor first"},
 			{TalosMinorSkip, "Talos v1.14.0 is 2 minors ahead of v1.12.4, the lowest version running (on " + fiveMachines + "), and Talos is upgraded one minor at a time; go through the latest patch of each minor: v1.13.7, then v1.14.0"},
 		}},
 		{name: "older than Ichor knows", spec: talosOp("v1.9.6"), cluster: on112, want: []Failure{

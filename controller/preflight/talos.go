@@ -62,7 +62,8 @@ func talosUnknown(target compat.Version, t *compat.Table) string {
 	oldest, newest := t.Oldest(), t.Newest()
 	if target.MajorMinor().Compare(newest.Minor) > 0 {
 		return fmt.Sprintf("Talos %s is newer than any Talos this Ichor knows (%s to %s), so it cannot check the upgrade; "+
-			"pick a version up to %s, or upgrade Ichor first", target, oldest.Minor, newest.Minor, newest.Latest)
+			"pick a Talos %s release or older (the latest %s patch this Ichor lists is %s; newer patches are accepted), or upgrade Ichor first",
+			target, oldest.Minor, newest.Minor, newest.Minor, newest.Minor, newest.Latest)
 	}
 	return fmt.Sprintf("Talos %s is older than any Talos this Ichor knows (%s to %s), so it cannot check the upgrade; "+
 		"pick a version of Talos %s to %s", target, oldest.Minor, newest.Minor, oldest.Minor, newest.Minor)

@@ -160,6 +160,16 @@ func Pull(ctx context.Context, c *talosclient.Client, node, image string) error 
 	}
 }
 
+// PullLegacy pulls image into the system containerd through the deprecated
+// MachineService.ImagePull, on hosts without ImageService (below 1.13).
+func PullLegacy(ctx context.Context, c *talosclient.Client, node, image string) error {
+	//nolint:staticcheck // the only pull older hosts have
+	if err := c.ImagePull(talosclient.WithNode(ctx, node), common.ContainerdNamespace_NS_SYSTEM, image); err != nil {
+		return fmt.Errorf("pull %s (legacy MachineService.ImagePull): %w", image, err)
+	}
+	return nil
+}
+
 // Install runs the installer of image into the machine's inactive boot slot
 // (LifecycleService.Upgrade). It does not reboot.
 func Install(ctx context.Context, c *talosclient.Client, node, image string) error {

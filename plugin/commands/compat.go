@@ -22,8 +22,11 @@ func newCompatCmd(e *Env) *cobra.Command {
 		Use:   "compat [--talos V] [--kubernetes V] [--cilium V]",
 		Short: "Print the Talos, Kubernetes and Cilium versions Ichor runs together",
 		Long: fmt.Sprintf(`Print Ichor's compatibility table: the Talos, Kubernetes and Cilium versions
-that run together, and the latest patch of each Talos minor. Preflight refuses
-an upgrade whose result is not in it (spec.override bypasses the refusal).
+that run together, and the latest patch of each Talos minor Ichor lists.
+Preflight refuses an upgrade whose result is not in it (spec.override bypasses
+the refusal). A patch newer than the latest listed (released after this table)
+is accepted and checked as its minor; whether the registry has it, the upgrade
+finds out by pulling the installer before it disrupts the first machine.
 
 This is the table built into this plugin (%[2]s); ichor-controller checks
 against the table of its own release ('%[1]s version' shows both versions).
