@@ -51,6 +51,13 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 func (t *turn) start() {
 	t.op.Status.StartTime = &t.now
 	t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", t.op.Status.Target, len(t.op.Status.Machines))
+	// The plan skipped held machines before the start; each leaves an
+	// Event, as one held later does (skipHeld).
+	for _, m := range t.op.Status.Machines {
+		if m.Phase == ichorv1.MachineSkipped {
+			t.event(corev1.EventTypeNormal, "MachineSkipped", "%s: %s", m.Name, m.Message)
+		}
+	}
 }
 
 // refuse records failed checks: deriveStatus makes the operation Refused,

@@ -70,7 +70,13 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 	case len(refusals(op)) > 0:
 		return ichorv1.PhaseRefused, preflight.ConditionReason, refusedMessage(refusals(op))
 	case st.StartTime != nil && allDone(st.Machines):
-		return ichorv1.PhaseSucceeded, "Succeeded", fmt.Sprintf("%s done on %s machine(s)", st.Target, plan.Progress(st.Machines))
+		// "talos v1.13.7 done on 5/6 machine(s), 1 held: w-3 (held by ...)"
+		done, left, _ := strings.Cut(plan.Progress(st.Machines), ", ")
+		msg := fmt.Sprintf("%s done on %s machine(s)", st.Target, done)
+		if left != "" {
+			msg += ", " + left + ": " + plan.LeftOut(st.Machines)
+		}
+		return ichorv1.PhaseSucceeded, "Succeeded", msg
 	case op.StepFailed():
 		msg := failureMessage(st)
 		if op.RetryPending() && op.Spec.Paused && !st.RetryConsumed {

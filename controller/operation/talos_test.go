@@ -8,11 +8,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -144,9 +146,23 @@ func TestTalosUpgrade(t *testing.T) {
 					t.Errorf("%s: from %q to %q started %v finished %v", m.Name, m.From, m.To, m.StartedAt, m.FinishedAt)
 				}
 			}
-			if got.Status.Progress != "8/8" || got.Status.Lock != "" || got.Status.CompletionTime == nil {
+			if got.Status.Progress != "7/8, 1 held" || got.Status.Lock != "" || got.Status.CompletionTime == nil {
 				t.Errorf("summary: progress %q lock %q completion %v", got.Status.Progress, got.Status.Lock, got.Status.CompletionTime)
 			}
+			// The message and the Ready condition say 7 of 8 and name the held one.
+			wantMsg := "talos " + tt.to + " done on 7/8 machine(s), 1 held: " + held + " (held by annotation ichor.maesh.dev/upgrade-hold: waiting for a disk)"
+			ready := meta.FindStatusCondition(got.Status.Conditions, ichorv1.ConditionReady)
+			if got.Status.Message != wantMsg || ready == nil || ready.Message != wantMsg {
+				t.Errorf("message %q, Ready %+v; want %q", got.Status.Message, ready, wantMsg)
+			}
+			testenv.Eventually(t, 30*time.Second, "a MachineSkipped Event for "+held, func(context.Context) (bool, error) {
+				for _, e := range c.events("upgrade") {
+					if e.Reason == "MachineSkipped" && strings.HasPrefix(e.Message, held+": held by annotation") {
+						return true, nil
+					}
+				}
+				return false, nil
+			})
 			names := []string{}
 			for _, m := range got.Status.Machines {
 				names = append(names, m.Name)

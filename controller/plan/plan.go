@@ -69,13 +69,16 @@ func order(m Machine) (int, bool) {
 	return n, err == nil
 }
 
+// heldMessage starts the message of a machine skipped for its hold.
+const heldMessage = "held by annotation "
+
 // Held says whether the machine carries the hold annotation, and why.
 func Held(m Machine) (bool, string) {
 	v, ok := m.Annotations[ichorv1.UpgradeHoldAnnotation]
 	if !ok {
 		return false, ""
 	}
-	msg := "held by annotation " + ichorv1.UpgradeHoldAnnotation
+	msg := heldMessage + ichorv1.UpgradeHoldAnnotation
 	if v = strings.TrimSpace(v); v != "" && v != "true" {
 		msg += ": " + v
 	}
@@ -170,15 +173,59 @@ func waitingMessage(machines []ichorv1.MachineStatus, unavailable map[string]boo
 		len(others), strings.Join(others, ", "), maxUnavailable)
 }
 
-// Progress summarises machines done (succeeded or skipped) over machines in scope, like 3/7.
+// Progress summarises the machines done over the machines in scope, like
+// 3/7, and how many were left out rather than done: "5/6, 1 held" (a hold
+// annotation), "4/6, 1 held, 1 skipped" (skipped by an operator).
 func Progress(machines []ichorv1.MachineStatus) string {
-	done := 0
+	done, held, skipped := 0, 0, 0
 	for _, m := range machines {
-		if Done(m.Phase) {
+		switch {
+		case m.Phase == ichorv1.MachineSucceeded:
 			done++
+		case IsHeld(m):
+			held++
+		case m.Phase == ichorv1.MachineSkipped:
+			skipped++
 		}
 	}
-	return fmt.Sprintf("%d/%d", done, len(machines))
+	s := fmt.Sprintf("%d/%d", done, len(machines))
+	if held > 0 {
+		s += fmt.Sprintf(", %d held", held)
+	}
+	if skipped > 0 {
+		s += fmt.Sprintf(", %d skipped", skipped)
+	}
+	return s
+}
+
+// IsHeld reports whether the machine was skipped for its hold annotation.
+func IsHeld(m ichorv1.MachineStatus) bool {
+	return m.Phase == ichorv1.MachineSkipped && strings.HasPrefix(m.Message, heldMessage)
+}
+
+// LeftOut names the skipped machines and why, for the operation's message:
+// "w-3 (held by annotation ichor.maesh.dev/upgrade-hold: a disk)"; past
+// three, how many more.
+func LeftOut(machines []ichorv1.MachineStatus) string {
+	var named []string
+	n := 0
+	for _, m := range machines {
+		if m.Phase != ichorv1.MachineSkipped {
+			continue
+		}
+		if n++; n > 3 {
+			continue
+		}
+		if m.Message == "" {
+			named = append(named, m.Name)
+		} else {
+			named = append(named, fmt.Sprintf("%s (%s)", m.Name, m.Message))
+		}
+	}
+	if n > 3 {
+		named = append(named, fmt.Sprintf("and %d more", n-3))
+	}
+	return strings.Join(named, ", ")
 }
 
 // Current names the machines being worked on, for the printer column.

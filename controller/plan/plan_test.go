@@ -126,12 +126,33 @@ func TestNext(t *testing.T) {
 }
 
 func TestSummaries(t *testing.T) {
+	held := st("w1", w, ichorv1.MachineSkipped)
+	held.Message = "held by annotation ichor.maesh.dev/upgrade-hold: a disk"
 	ms := []ichorv1.MachineStatus{
-		st("c1", cp, ichorv1.MachineSucceeded), st("w1", w, ichorv1.MachineSkipped),
+		st("c1", cp, ichorv1.MachineSucceeded), held,
 		st("w2", w, ichorv1.MachineInProgress), st("w3", w, ichorv1.MachineInProgress), st("w4", w, ichorv1.MachinePending),
 	}
-	if got := Progress(ms); got != "2/5" {
+	if got := Progress(ms); got != "1/5, 1 held" {
 		t.Errorf("Progress = %q", got)
+	}
+	skipped := st("w5", w, ichorv1.MachineSkipped)
+	skipped.Message = "skipped by alice"
+	for _, tt := range []struct {
+		ms                []ichorv1.MachineStatus
+		progress, leftOut string
+	}{
+		{[]ichorv1.MachineStatus{st("c1", cp, ichorv1.MachineSucceeded)}, "1/1", ""},
+		{[]ichorv1.MachineStatus{st("c1", cp, ichorv1.MachineSucceeded), held, skipped}, "1/3, 1 held, 1 skipped",
+			"w1 (held by annotation ichor.maesh.dev/upgrade-hold: a disk), w5 (skipped by alice)"},
+		{[]ichorv1.MachineStatus{held, held, held, held, skipped}, "0/5, 4 held, 1 skipped",
+			"w1 (held by annotation ichor.maesh.dev/upgrade-hold: a disk), w1 (held by annotation ichor.maesh.dev/upgrade-hold: a disk), w1 (held by annotation ichor.maesh.dev/upgrade-hold: a disk), and 2 more"},
+	} {
+		if got := Progress(tt.ms); got != tt.progress {
+			t.Errorf("Progress = %q, want %q", got, tt.progress)
+		}
+		if got := LeftOut(tt.ms); got != tt.leftOut {
+			t.Errorf("LeftOut = %q, want %q", got, tt.leftOut)
+		}
 	}
 	if got := Current(ms); got != "w2,w3" {
 		t.Errorf("Current = %q", got)

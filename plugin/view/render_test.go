@@ -105,7 +105,9 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 
 	done := running.DeepCopy()
 	done.Status.Phase = ichorv1.PhaseSucceeded
-	done.Status.Lock, done.Status.Current, done.Status.Message, done.Status.Progress = "", "", "", "7/7"
+	// As the controller says it: a held machine is not done.
+	done.Status.Lock, done.Status.Current, done.Status.Progress = "", "", "6/7, 1 held"
+	done.Status.Message = "talos v1.13.7 done on 6/7 machine(s), 1 held: worker-3 (held by ichor.maesh.dev/upgrade-hold)"
 	done.Status.CompletionTime = ago(time.Minute)
 	for i := range done.Status.Machines {
 		m := &done.Status.Machines[i]
