@@ -96,7 +96,7 @@ var phaseCases = []struct {
 	{"failed, a reboot still settling", opIn([]ichorv1.MachinePhase{succeeded, failed, inProgress}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal; nothing new starts, and the steps in flight settle first: w2: install"},
 	{"failed twice", opIn([]ichorv1.MachinePhase{succeeded, failed, failed}, failedWith("InstallFailed")), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "InstallFailed on w1 (install): rpc error: code = Internal; 2 machines failed: w1,w2"},
 	{"failed and paused, retry waits", opIn([]ichorv1.MachinePhase{failed}, failedWith("EtcdUnhealthy"), pausedSpec, retryAnnotated), "", ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "EtcdUnhealthy on cp (install): rpc error: code = Internal" + retryWaits},
-	{"succeeded, one skipped", opIn([]ichorv1.MachinePhase{succeeded, skipped}, isStarted), "", ichorv1.PhaseSucceeded, "Succeeded", "talos v1.13.7 done on 1/2 machine(s), 1 skipped: w1"},
+	{"succeeded", opIn([]ichorv1.MachinePhase{succeeded, skipped}, isStarted), "", ichorv1.PhaseSucceeded, "Succeeded", "talos v1.13.7 done on 1/2 machine(s), 1 skipped: w1"},
 	{"every machine skipped, not started", opIn([]ichorv1.MachinePhase{skipped}), "", ichorv1.PhasePending, "", "checking"},
 	{"refused", opIn([]ichorv1.MachinePhase{pending}, refusedBy(preflight.TalosVersionNewer, "v1.12.2 is not newer")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "preflight refused the operation; set spec.override"},
 	{"refused, not overridable", opIn(nil, refusedBy(CheckKindSupported, "kind etcd-restore")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "refused; nothing ran: KindSupported: kind etcd-restore"},
