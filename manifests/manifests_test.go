@@ -141,7 +141,10 @@ func waitForPolicies(t *testing.T, ns string) {
 		if err == nil {
 			return false, nil
 		}
-		return strings.Contains(err.Error(), "ValidatingAdmissionPolicy 'ichor-start'"), err
+		if strings.Contains(err.Error(), "ValidatingAdmissionPolicy 'ichor-start'") {
+			return true, nil
+		}
+		return false, err // refused by something else
 	})
 	testenv.Eventually(t, 30*time.Second, "the override policy to be enforced", func(ctx context.Context) (bool, error) {
 		op := operation(ns, "probe-override", kind{k: ichorv1.KindTalos})
@@ -150,7 +153,10 @@ func waitForPolicies(t *testing.T, ns string) {
 		if err == nil {
 			return false, nil
 		}
-		return strings.Contains(err.Error(), "ValidatingAdmissionPolicy 'ichor-override'"), err
+		if strings.Contains(err.Error(), "ValidatingAdmissionPolicy 'ichor-override'") {
+			return true, nil
+		}
+		return false, err // refused by something else
 	})
 }
 
@@ -422,7 +428,7 @@ var builtInVerbs = map[string][]string{
 func waitForAggregation(t *testing.T) {
 	t.Helper()
 	for role, verbs := range builtInVerbs {
-		testenv.Eventually(t, 60*time.Second, role+" to take in Ichor's rules", func(ctx context.Context) (bool, error) {
+		testenv.Eventually(t, 60*time.Second, fmt.Sprintf("%s to take in Ichor's rules (%v on talosoperations)", role, verbs), func(ctx context.Context) (bool, error) {
 			cr := &rbacv1.ClusterRole{}
 			if err := env.Client.Get(ctx, client.ObjectKey{Name: role}, cr); err != nil {
 				return false, err
@@ -430,7 +436,7 @@ func waitForAggregation(t *testing.T) {
 			got := ichorVerbs(cr.Rules, "talosoperations")
 			for _, v := range verbs {
 				if !slices.Contains(got, v) {
-					return false, fmt.Errorf("%s has %v on talosoperations", role, got)
+					return false, nil // not aggregated yet
 				}
 			}
 			return true, nil

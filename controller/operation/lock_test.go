@@ -262,7 +262,10 @@ func waitGone(t *testing.T, ns, name string) {
 	t.Helper()
 	testenv.Eventually(t, time.Minute, name+" to be gone", func(ctx context.Context) (bool, error) {
 		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &ichorv1.TalosOperation{})
-		return notFound(err), nil
+		if notFound(err) {
+			return true, nil
+		}
+		return false, err
 	})
 }
 

@@ -1,15 +1,21 @@
 package operation_test
 
 import (
+	"context"
+	"fmt"
 	"testing"
+	"time"
 
 	dto "github.com/prometheus/client_model/go"
 	"sigs.k8s.io/controller-runtime/pkg/metrics"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/testenv"
 )
 
 // gather reads every metric of the registry, which accumulates across the
 // tests of the package: a test compares what it reads with what was there
-// before it began.
+// before it began (see checkMetrics).
 func gather(t *testing.T) []*dto.MetricFamily {
 	t.Helper()
 	families, err := metrics.Registry.Gather()
@@ -56,28 +62,42 @@ func hasLabels(m *dto.Metric, want map[string]string) bool {
 	return true
 }
 
-// checkMetrics: after an upgrade that failed once and was retried, the
-// controller's metrics say so: each grew since before. ichor_operations,
-// a gauge read from the cache at scrape time, is compared with nothing.
+// checkMetrics: after an upgrade of four machines whose install failed
+// once on one of them and was retried, the controller's metrics say so. The
+// registry is the process's, shared by every test of the package (they run
+// one after another), so a counter is judged by how much it grew during
+// this test, and ichor_operations, a gauge read from the cache at scrape
+// time, against the operations the API server holds now.
 func checkMetrics(t *testing.T, before []*dto.MetricFamily) {
 	t.Helper()
 	now := gather(t)
 	for _, tt := range []struct {
 		name   string
 		labels map[string]string
+		grew   float64 // exactly; 0: by any amount
 	}{
-		{"ichor_step_failures_total", map[string]string{"kind": "talos", "step": "install", "reason": "InstallFailed"}},
-		{"ichor_step_duration_seconds", map[string]string{"kind": "talos", "step": "install"}},
-		{"ichor_operations", map[string]string{"kind": "talos", "phase": "Succeeded"}},
-		{"ichor_cluster_lock_held_seconds_total", nil},
-		{"ichor_status_writes_total", nil},
+		{"ichor_step_failures_total", map[string]string{"kind": "talos", "step": "install", "reason": "InstallFailed"}, 1},
+		{"ichor_step_duration_seconds", map[string]string{"kind": "talos", "step": "install"}, 4},
+		{"ichor_cluster_lock_held_seconds_total", nil, 0},
+		{"ichor_status_writes_total", nil, 0},
 	} {
-		was := metric(before, tt.name, tt.labels)
-		if tt.name == "ichor_operations" {
-			was = 0
-		}
-		if v := metric(now, tt.name, tt.labels); v <= was {
-			t.Errorf("metric %s%v = %v, want more than the %v before the test", tt.name, tt.labels, v, was)
+		grew := metric(now, tt.name, tt.labels) - metric(before, tt.name, tt.labels)
+		if tt.grew != 0 && grew != tt.grew || grew <= 0 {
+			t.Errorf("metric %s%v grew by %v during the test, want %v", tt.name, tt.labels, grew, tt.grew)
 		}
 	}
+	succeeded := map[string]string{"kind": "talos", "phase": "Succeeded"}
+	testenv.Eventually(t, 30*time.Second, fmt.Sprintf("ichor_operations%v to count the succeeded talos operations", succeeded), func(ctx context.Context) (bool, error) {
+		var ops ichorv1.TalosOperationList
+		if err := env.Client.List(ctx, &ops); err != nil {
+			return false, err
+		}
+		want := 0.0
+		for _, op := range ops.Items {
+			if op.Spec.Kind == ichorv1.KindTalos && op.Status.Phase == ichorv1.PhaseSucceeded {
+				want++
+			}
+		}
+		return metric(gather(t), "ichor_operations", succeeded) == want, nil
+	})
 }

@@ -74,10 +74,19 @@ func TestPreflightRefuses(t *testing.T) {
 
 func waitEvent(t *testing.T, c *cluster, name, eventType, reason string) corev1.Event {
 	t.Helper()
+	return waitEventWhere(t, c, name, "a "+eventType+" Event "+reason, func(e corev1.Event) bool {
+		return e.Type == eventType && e.Reason == reason
+	})
+}
+
+// waitEventWhere waits for an Event of the named operation that match
+// accepts.
+func waitEventWhere(t *testing.T, c *cluster, name, what string, match func(corev1.Event) bool) corev1.Event {
+	t.Helper()
 	var found corev1.Event
-	testenv.Eventually(t, 30*time.Second, "a "+eventType+" Event "+reason, func(context.Context) (bool, error) {
+	testenv.Eventually(t, 30*time.Second, what, func(context.Context) (bool, error) {
 		for _, e := range c.events(name) {
-			if e.Type == eventType && e.Reason == reason {
+			if match(e) {
 				found = e
 				return true, nil
 			}
@@ -85,6 +94,15 @@ func waitEvent(t *testing.T, c *cluster, name, eventType, reason string) corev1.
 		return false, nil
 	})
 	return found
+}
+
+// eventUIDs are the Events of the named operation so far.
+func eventUIDs(c *cluster, name string) map[types.UID]bool {
+	uids := map[types.UID]bool{}
+	for _, e := range c.events(name) {
+		uids[e.UID] = true
+	}
+	return uids
 }
 
 // TestOverride: an ichor-admin's spec.override runs a refused upgrade and

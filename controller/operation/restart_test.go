@@ -109,7 +109,7 @@ func leaderLease(t *testing.T, c *cluster) *coordinationv1.Lease {
 	l := &coordinationv1.Lease{}
 	testenv.Eventually(t, 30*time.Second, "the leader Lease to carry the version", func(ctx context.Context) (bool, error) {
 		err := env.Client.Get(ctx, client.ObjectKey{Namespace: c.ctrlNS, Name: ichorv1.LeaderLeaseName}, l)
-		return err == nil && l.Annotations[ichorv1.VersionAnnotation] != "", err
+		return err == nil && l.Annotations[ichorv1.VersionAnnotation] != "", client.IgnoreNotFound(err) // until a replica leads
 	})
 	return l
 }

@@ -20,6 +20,7 @@ import (
 	kstatus "sigs.k8s.io/cli-utils/pkg/kstatus/status"
 
 	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/manifests/argocd"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/sim"
@@ -50,6 +51,9 @@ func TestFailureAndRetry(t *testing.T) {
 	}
 	if got := kstatusOf(t, c, "upgrade"); got.Status != kstatus.FailedStatus || !strings.Contains(got.Message, "InstallFailed") {
 		t.Errorf("kstatus of the failed operation: %s %q, want Failed with the failure's reason", got.Status, got.Message)
+	}
+	if got := argoCDHealthOf(t, c, "upgrade"); got.Status != "Degraded" || !strings.Contains(got.Message, "InstallFailed") {
+		t.Errorf("Argo CD health of the failed operation: %s %q, want Degraded with the failure's reason", got.Status, got.Message)
 	}
 	calls := c.fleet.Recorder().CallCounts()
 
@@ -82,6 +86,9 @@ func TestFailureAndRetry(t *testing.T) {
 	if got := kstatusOf(t, c, "upgrade"); got.Status != kstatus.CurrentStatus {
 		t.Errorf("kstatus of the succeeded operation: %s %q, want Current", got.Status, got.Message)
 	}
+	if got := argoCDHealthOf(t, c, "upgrade"); got.Status != "Healthy" {
+		t.Errorf("Argo CD health of the succeeded operation: %s %q, want Healthy", got.Status, got.Message)
+	}
 	if op.Status.RetryCount != 1 || op.Status.LastRetry == nil || op.RetryPending() {
 		t.Errorf("retryCount %d lastRetry %v annotation %q", op.Status.RetryCount, op.Status.LastRetry, op.Annotations[ichorv1.RetryAnnotation])
 	}
@@ -102,10 +109,14 @@ func TestFailureAndRetry(t *testing.T) {
 	}
 
 	// A retry request on an operation with nothing left to run is removed,
-	// not kept for later, and an Event says why.
+	// not kept for later, and an Event says why: one that only this request
+	// can have caused.
+	seen := eventUIDs(c, "upgrade")
 	c.kubectl("annotate", "talosoperation", "upgrade", ichorv1.RetryAnnotation+"=true")
 	c.waitFor("upgrade", "to remove the retry request", time.Minute, func(op *ichorv1.TalosOperation) bool { return !op.RetryPending() })
-	waitEvent(t, c, "upgrade", corev1.EventTypeNormal, "RetryIgnored")
+	waitEventWhere(t, c, "upgrade", "a RetryIgnored Event saying the operation has succeeded, after the last request", func(e corev1.Event) bool {
+		return e.Type == corev1.EventTypeNormal && e.Reason == "RetryIgnored" && strings.Contains(e.Message, "the operation has succeeded") && !seen[e.UID]
+	})
 	checkMetrics(t, before)
 }
 
@@ -226,18 +237,35 @@ func TestRetryConsumedOnce(t *testing.T) {
 	}
 }
 
-// kstatusOf computes with kstatus (as Flux does) the status of the
-// operation as the API server serves it.
-func kstatusOf(t *testing.T, c *cluster, name string) *kstatus.Result {
+// served is the operation as the API server serves it.
+func served(t *testing.T, c *cluster, name string) *unstructured.Unstructured {
 	t.Helper()
 	u := &unstructured.Unstructured{}
 	u.SetGroupVersionKind(ichorv1.GroupVersion.WithKind("TalosOperation"))
 	if err := env.Client.Get(context.Background(), keyOf(c.ns, name), u); err != nil {
 		t.Fatal(err)
 	}
-	res, err := kstatus.Compute(u)
+	return u
+}
+
+// kstatusOf computes with kstatus (as Flux does) the status of the
+// operation as the API server serves it.
+func kstatusOf(t *testing.T, c *cluster, name string) *kstatus.Result {
+	t.Helper()
+	res, err := kstatus.Compute(served(t, c, name))
 	if err != nil {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// argoCDHealthOf runs Argo CD's health check on the operation as the API
+// server serves it.
+func argoCDHealthOf(t *testing.T, c *cluster, name string) argocd.Health {
+	t.Helper()
+	h, err := argocd.Check(served(t, c, name).Object)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
 }

@@ -131,6 +131,9 @@ func TestTalosUpgrade(t *testing.T) {
 			}
 
 			// Status: every machine done, the held one Skipped with why.
+			if n := len(got.Status.Machines); n != 8 {
+				t.Fatalf("status lists %d machines, want the 8 of the cluster", n)
+			}
 			for _, m := range got.Status.Machines {
 				want := ichorv1.MachineSucceeded
 				if m.Name == held {
