@@ -37,9 +37,6 @@ func Ready(n *corev1.Node) bool {
 	return false
 }
 
-// Unavailable reports whether the Node is NotReady or cordoned.
-func Unavailable(n *corev1.Node) bool { return !Ready(n) || n.Spec.Unschedulable }
-
 // TalosVersion is the version in the Node's OS image, "Talos (v1.12.4)", or
 // "" when the Node does not run Talos.
 func TalosVersion(n *corev1.Node) string {

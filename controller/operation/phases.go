@@ -173,6 +173,12 @@ func (t *turn) retry() {
 		if m.Phase != ichorv1.MachineFailed {
 			continue
 		}
+		if m.StartedAt == nil {
+			// It failed before it started: it waits for its turn again.
+			m.Phase, m.FinishedAt, m.Message = ichorv1.MachinePending, nil, ""
+			again = append(again, m.Name+": "+stepStart)
+			continue
+		}
 		m.Phase, m.FinishedAt, m.Message = ichorv1.MachineInProgress, nil, "retrying"
 		m.Attempts++
 		again = append(again, m.Name+": "+m.Step)
@@ -207,21 +213,64 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 		st.Machines[i].Stopped = false // resumed, or retried
 	}
 	t.skipHeld()
-	unavailable := map[string]bool{}
-	for i := range t.nodes {
-		n := &t.nodes[i]
-		if machine.Role(n) == ichorv1.RoleWorker && machine.Unavailable(n) {
-			unavailable[n.Name] = true
-		}
-	}
-	start, why := plan.Next(st.Machines, unavailable, int(op.Spec.MaxUnavailable))
+	start, wait := plan.Next(st.Machines, t.outOfService(), int(op.Spec.MaxUnavailable))
 	for _, i := range start {
 		t.startMachine(&st.Machines[i])
 	}
-	t.why = why
+	t.why = wait.String()
+	if wait.Stuck() && op.Settled() {
+		t.failStuck(wait)
+	}
 	t.canLaunch = true
 	return ctrl.Result{RequeueAfter: requeue}, nil
 }
+
+// outOfService are the cluster's workers that count against
+// maxUnavailable whatever this operation does: those that are down
+// (NotReady), which may come back by themselves, and those that another
+// Ichor holder cordoned and left so when its step failed, which stay out
+// of service until that holder is retried or deleted: it cannot run while
+// this operation holds the cluster lock. A Ready worker that an operator
+// cordoned is in service.
+func (t *turn) outOfService() map[string]plan.Out {
+	own := ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
+	out := map[string]plan.Out{}
+	for i := range t.nodes {
+		n := &t.nodes[i]
+		if machine.Role(n) != ichorv1.RoleWorker {
+			continue
+		}
+		by := n.Annotations[executor.CordonedByAnnotation]
+		switch {
+		case n.Spec.Unschedulable && by != "" && by != own:
+			out[n.Name] = plan.Out{Why: "cordoned by " + by + ", which has stopped", Stuck: true}
+		case !machine.Ready(n):
+			out[n.Name] = plan.Out{Why: "NotReady"}
+		}
+	}
+	return out
+}
+
+// failStuck fails the next worker when workers that only a person brings
+// back use up the budget: waiting would hold the cluster lock forever, and
+// the holder that left them cordoned needs it to finish. Nothing of this
+// operation is in flight, so the lock goes; a retry checks the budget again.
+func (t *turn) failStuck(wait plan.Wait) {
+	for i := range t.op.Status.Machines {
+		if m := &t.op.Status.Machines[i]; m.Role == ichorv1.RoleWorker && m.Phase == ichorv1.MachinePending {
+			t.fail(m, stepStart, executor.Fail(ReasonWorkersUnavailable, "%s", wait))
+			return
+		}
+	}
+}
+
+// stepStart names, in failures, the start of work on a machine: the
+// machine failed before its first step.
+const stepStart = "start"
+
+// ReasonWorkersUnavailable is the failureReason of a worker that could not
+// start because workers that only a person brings back use up maxUnavailable.
+const ReasonWorkersUnavailable = "WorkersUnavailable"
 
 // skipHeld skips the machines that have not started and whose Node has
 // been put on hold since the operation started (before, plan did).

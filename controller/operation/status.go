@@ -124,7 +124,7 @@ func failureMessage(st *ichorv1.TalosOperationStatus) string {
 	if m == nil {
 		return st.FailureReason
 	}
-	msg := fmt.Sprintf("%s on %s (%s): %s", st.FailureReason, m.Name, m.Step, m.Message)
+	msg := fmt.Sprintf("%s on %s (%s): %s", st.FailureReason, m.Name, orDash(m.Step), m.Message)
 	if len(failed) > 1 {
 		msg += fmt.Sprintf("; %d machines failed: %s", len(failed), plan.Current(st.Machines))
 	}

@@ -4,8 +4,9 @@
 // status.
 //
 // The rules: control planes first, strictly one at a time; workers after,
-// up to maxUnavailable at once, counting workers that are already NotReady or
-// cordoned against that budget. A machine carrying the upgrade-hold
+// up to maxUnavailable at once, counting workers that are down (NotReady) or
+// being disrupted (cordoned by another Ichor holder) against that budget: a
+// Ready worker that an operator cordoned is in service. A machine carrying the upgrade-hold
 // annotation is skipped; the upgrade-order label sorts machines within their
 // tier (ascending, labelled before unlabelled, then by name).
 package plan
@@ -106,10 +107,65 @@ func Done(p ichorv1.MachinePhase) bool {
 	return p == ichorv1.MachineSucceeded || p == ichorv1.MachineSkipped
 }
 
+// Out is a worker of the cluster that counts against maxUnavailable while
+// the operation is not working on it: it is down, or being disrupted.
+type Out struct {
+	// Why says what takes it out of service: "NotReady", or whose cordon it keeps.
+	Why string
+	// Stuck: nothing brings it back while the operation runs (a cordon that
+	// another Ichor holder left when its step failed is lifted only by a
+	// retry or deletion of that holder, which waits for the cluster lock).
+	Stuck bool
+}
+
+// Wait says why no pending worker may start: the workers outside the
+// operation's work that use up the budget. Its zero value means nothing
+// waits for the budget.
+type Wait struct {
+	// Out are those workers, by name.
+	Out map[string]Out
+	Max int
+}
+
+// Stuck reports whether the stuck workers use up the budget on their own:
+// waiting cannot end it.
+func (w Wait) Stuck() bool {
+	n := 0
+	for _, o := range w.Out {
+		if o.Stuck {
+			n++
+		}
+	}
+	return len(w.Out) > 0 && n >= w.Max
+}
+
+func (w Wait) String() string {
+	if len(w.Out) == 0 {
+		return ""
+	}
+	names := make([]string, 0, len(w.Out))
+	for name := range w.Out {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	var parts []string
+	for _, name := range names {
+		parts = append(parts, name+": "+w.Out[name].Why)
+	}
+	if w.Stuck() {
+		return fmt.Sprintf("%d worker(s) out of service until someone acts (%s) use up maxUnavailable %d: "+
+			"retry or delete the operation that left them cordoned, or uncordon them, then retry this one",
+			len(names), strings.Join(parts, "; "), w.Max)
+	}
+	return fmt.Sprintf("waiting for workers to come back: %d out of service (%s) with maxUnavailable %d",
+		len(names), strings.Join(parts, "; "), w.Max)
+}
+
 // Next picks the machines that may start now (by index into machines), or
-// says why none can. unavailable holds the workers of the cluster that are
-// NotReady or cordoned right now (whether in scope or not).
-func Next(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnavailable int) ([]int, string) {
+// says why none can. out holds the workers of the cluster (in scope or
+// not) that are out of service right now; a worker the operation works on
+// counts as well. A Ready worker that an operator cordoned is in service.
+func Next(machines []ichorv1.MachineStatus, out map[string]Out, maxUnavailable int) ([]int, Wait) {
 	if maxUnavailable < 1 {
 		maxUnavailable = 1
 	}
@@ -118,18 +174,19 @@ func Next(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnav
 			continue
 		}
 		if m.Phase == ichorv1.MachinePending {
-			return []int{i}, ""
+			return []int{i}, Wait{}
 		}
 		// A control plane in progress (or failed) holds back everything else.
-		return nil, ""
+		return nil, Wait{}
 	}
 	disrupted := map[string]bool{}
-	for name := range unavailable {
+	for name := range out {
 		disrupted[name] = true
 	}
+	inOp := map[string]bool{}
 	for _, m := range machines {
 		if m.Role == ichorv1.RoleWorker && (m.Phase == ichorv1.MachineInProgress || m.Phase == ichorv1.MachineFailed) {
-			disrupted[m.Name] = true
+			disrupted[m.Name], inOp[m.Name] = true, true
 		}
 	}
 	var start []int
@@ -146,31 +203,19 @@ func Next(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnav
 		disrupted[m.Name] = true
 		start = append(start, i)
 	}
-	if len(start) == 0 && blocked {
-		return nil, waitingMessage(machines, unavailable, maxUnavailable)
+	if len(start) > 0 || !blocked {
+		return start, Wait{}
 	}
-	return start, ""
-}
-
-func waitingMessage(machines []ichorv1.MachineStatus, unavailable map[string]bool, maxUnavailable int) string {
-	inOp := map[string]bool{}
-	for _, m := range machines {
-		if m.Phase == ichorv1.MachineInProgress {
-			inOp[m.Name] = true
-		}
-	}
-	var others []string
-	for name := range unavailable {
+	w := Wait{Out: map[string]Out{}, Max: maxUnavailable}
+	for name, o := range out {
 		if !inOp[name] {
-			others = append(others, name)
+			w.Out[name] = o
 		}
 	}
-	if len(others) == 0 {
-		return ""
+	if len(w.Out) == 0 {
+		return nil, Wait{}
 	}
-	sort.Strings(others)
-	return fmt.Sprintf("waiting for workers to come back: %d already NotReady or cordoned (%s) with maxUnavailable %d",
-		len(others), strings.Join(others, ", "), maxUnavailable)
+	return nil, w
 }
 
 // Progress summarises the machines done over the machines in scope, like

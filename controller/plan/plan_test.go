@@ -88,38 +88,44 @@ func TestNext(t *testing.T) {
 		K = ichorv1.MachineSkipped
 		F = ichorv1.MachineFailed
 	)
+	down := Out{Why: "NotReady"}
+	left := Out{Why: "cordoned by ichor-controller/op/ns/a, which has stopped", Stuck: true}
 	tests := []struct {
-		name        string
-		machines    []ichorv1.MachineStatus
-		unavailable []string
-		max         int
-		want        []int
-		wantWhy     string
+		name      string
+		machines  []ichorv1.MachineStatus
+		out       map[string]Out
+		max       int
+		want      []int
+		wantWhy   string
+		wantStuck bool
 	}{
-		{"first control plane alone", []ichorv1.MachineStatus{st("c1", cp, P), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{0}, ""},
-		{"one control plane at a time", []ichorv1.MachineStatus{st("c1", cp, I), st("c2", cp, P), st("w1", w, P)}, nil, 5, nil, ""},
-		{"next control plane once the first is done", []ichorv1.MachineStatus{st("c1", cp, S), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{1}, ""},
-		{"a failed control plane holds everything", []ichorv1.MachineStatus{st("c1", cp, F), st("w1", w, P)}, nil, 5, nil, ""},
-		{"skipped control planes do not block", []ichorv1.MachineStatus{st("c1", cp, K), st("w1", w, P)}, nil, 1, []int{1}, ""},
-		{"workers in a batch of maxUnavailable", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, P), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1, 2}, ""},
-		{"in-progress workers count", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1}, ""},
-		{"budget full", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, I), st("w3", w, P)}, nil, 2, nil, ""},
-		{"a NotReady worker outside the operation counts", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, []string{"x9"}, 2, []int{0}, ""},
-		{"budget used up by others: say why", []ichorv1.MachineStatus{st("w1", w, P)}, []string{"x9", "x8"}, 2, nil, "waiting for workers to come back: 2 already NotReady or cordoned (x8, x9) with maxUnavailable 2"},
-		{"a worker that is already down may start", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, []string{"w2", "x9"}, 2, []int{1}, ""},
-		{"done workers free their slot", []ichorv1.MachineStatus{st("w1", w, S), st("w2", w, K), st("w3", w, P)}, nil, 1, []int{2}, ""},
-		{"all done", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, S)}, nil, 1, nil, ""},
-		{"zero budget is one", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, nil, 0, []int{0}, ""},
+		{"first control plane alone", []ichorv1.MachineStatus{st("c1", cp, P), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{0}, "", false},
+		{"one control plane at a time", []ichorv1.MachineStatus{st("c1", cp, I), st("c2", cp, P), st("w1", w, P)}, nil, 5, nil, "", false},
+		{"next control plane once the first is done", []ichorv1.MachineStatus{st("c1", cp, S), st("c2", cp, P), st("w1", w, P)}, nil, 5, []int{1}, "", false},
+		{"a failed control plane holds everything", []ichorv1.MachineStatus{st("c1", cp, F), st("w1", w, P)}, nil, 5, nil, "", false},
+		{"skipped control planes do not block", []ichorv1.MachineStatus{st("c1", cp, K), st("w1", w, P)}, nil, 1, []int{1}, "", false},
+		{"workers in a batch of maxUnavailable", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, P), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1, 2}, "", false},
+		{"in-progress workers count", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, P), st("w3", w, P)}, nil, 2, []int{1}, "", false},
+		{"budget full", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, I), st("w3", w, P)}, nil, 2, nil, "", false},
+		{"a NotReady worker outside the operation counts", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, map[string]Out{"x9": down}, 2, []int{0}, "", false},
+		{"budget used up by others: say why", []ichorv1.MachineStatus{st("w1", w, P)}, map[string]Out{"x9": down, "x8": down}, 2, nil,
+			"waiting for workers to come back: 2 out of service (x8: NotReady; x9: NotReady) with maxUnavailable 2", false},
+		{"budget used up by workers left cordoned: stuck", []ichorv1.MachineStatus{st("w1", w, P)}, map[string]Out{"x9": left}, 1, nil,
+			"1 worker(s) out of service until someone acts (x9: cordoned by ichor-controller/op/ns/a, which has stopped) use up maxUnavailable 1: " +
+				"retry or delete the operation that left them cordoned, or uncordon them, then retry this one", true},
+		{"workers left cordoned and NotReady ones: may still come back", []ichorv1.MachineStatus{st("w1", w, P)}, map[string]Out{"x9": left, "x8": down}, 2, nil,
+			"waiting for workers to come back: 2 out of service (x8: NotReady; x9: cordoned by ichor-controller/op/ns/a, which has stopped) with maxUnavailable 2", false},
+		{"budget used up by the operation's own work: no wait to report", []ichorv1.MachineStatus{st("w1", w, I), st("w2", w, P)}, map[string]Out{"w1": down}, 1, nil, "", false},
+		{"a worker that is already down may start", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, map[string]Out{"w2": down, "x9": down}, 2, []int{1}, "", false},
+		{"done workers free their slot", []ichorv1.MachineStatus{st("w1", w, S), st("w2", w, K), st("w3", w, P)}, nil, 1, []int{2}, "", false},
+		{"all done", []ichorv1.MachineStatus{st("c1", cp, S), st("w1", w, S)}, nil, 1, nil, "", false},
+		{"zero budget is one", []ichorv1.MachineStatus{st("w1", w, P), st("w2", w, P)}, nil, 0, []int{0}, "", false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			un := map[string]bool{}
-			for _, n := range tt.unavailable {
-				un[n] = true
-			}
-			got, why := Next(tt.machines, un, tt.max)
-			if !reflect.DeepEqual(got, tt.want) || why != tt.wantWhy {
-				t.Errorf("Next = %v %q, want %v %q", got, why, tt.want, tt.wantWhy)
+			got, wait := Next(tt.machines, tt.out, tt.max)
+			if !reflect.DeepEqual(got, tt.want) || wait.String() != tt.wantWhy || wait.Stuck() != tt.wantStuck {
+				t.Errorf("Next = %v %q stuck %v, want %v %q stuck %v", got, wait, wait.Stuck(), tt.want, tt.wantWhy, tt.wantStuck)
 			}
 		})
 	}

@@ -1,0 +1,120 @@
+package operation_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/sim"
+)
+
+func (c *cluster) node(name string) *corev1.Node {
+	c.t.Helper()
+	n := &corev1.Node{}
+	if err := env.Client.Get(context.Background(), keyOfNode(name), n); err != nil {
+		c.t.Fatal(err)
+	}
+	return n
+}
+
+// workersOverlapping returns the pairs of workers the operation worked on
+// at once, from the times status recorded.
+func workersOverlapping(op *ichorv1.TalosOperation) []string {
+	var out []string
+	ms := op.Status.Machines
+	for i := range ms {
+		for j := i + 1; j < len(ms); j++ {
+			a, b := ms[i], ms[j]
+			if a.Role != ichorv1.RoleWorker || b.Role != ichorv1.RoleWorker || a.StartedAt == nil || b.StartedAt == nil || a.FinishedAt == nil || b.FinishedAt == nil {
+				continue
+			}
+			if a.StartedAt.Before(b.FinishedAt) && b.StartedAt.Before(a.FinishedAt) {
+				out = append(out, a.Name+" and "+b.Name)
+			}
+		}
+	}
+	return out
+}
+
+// TestCordonedWorkerIsInService: a worker an operator cordons while it is
+// Ready is in service. With maxUnavailable 1 it waits its turn like any
+// other (it does not start beside the worker in progress), the operation
+// does not wait for its cordon to be lifted, and the operator's cordon stays.
+func TestCordonedWorkerIsInService(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 3))
+	w := func(i int) string { return c.fleet.Machines()[i].Name() }
+	release := c.holdDrain(w(1))
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitFor("upgrade", "to drain "+w(1), time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w(1))
+		return m != nil && m.Phase == ichorv1.MachineInProgress && m.Step == executor.StepDrain
+	})
+	c.kubectl("cordon", w(3))
+	release()
+	op := c.waitSucceeded("upgrade", 2*time.Minute)
+	if both := workersOverlapping(op); len(both) > 0 {
+		t.Errorf("workers worked on at once with maxUnavailable 1: %v", both)
+	}
+	if o := c.fleet.Recorder().Overlaps(sim.ActionReboot, sim.ActionUpgrade); len(o) > 0 {
+		t.Errorf("disruptive actions overlapped: %+v", o)
+	}
+	if n := c.node(w(3)); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != "" {
+		t.Errorf("the operator's cordon of %s: unschedulable %v, %s=%q", w(3), n.Spec.Unschedulable,
+			executor.CordonedByAnnotation, n.Annotations[executor.CordonedByAnnotation])
+	}
+}
+
+// TestWorkersLeftCordonedFailTheStep: a worker that another operation
+// cordoned and left so when its step failed stays out of service until
+// someone retries or deletes that operation, which cannot run while this
+// one holds the cluster lock. When such workers use up maxUnavailable the
+// operation does not wait forever: its next worker fails with
+// WorkersUnavailable, saying which and what to do, nothing of it runs, and
+// the lock goes. Retrying the other, then this one, finishes both.
+func TestWorkersLeftCordonedFailTheStep(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 3))
+	w := func(i int) string { return c.fleet.Machines()[i].Name() }
+	c.fleet.Machine(w(1)).Inject(sim.Fault{Kind: sim.FaultError, Method: "Reboot", Code: codes.Internal})
+	c.start()
+	c.create("a-reboot", rebootSpec(w(1)))
+	c.waitFor("a-reboot", "to fail", time.Minute, (*ichorv1.TalosOperation).FailedAndSettled)
+	if by := c.node(w(1)).Annotations[executor.CordonedByAnnotation]; by == "" {
+		t.Fatalf("%s is not left cordoned by a-reboot", w(1))
+	}
+	b := talosSpec("v1.13.7")
+	b.Machines = &metav1.LabelSelector{MatchExpressions: []metav1.LabelSelectorRequirement{
+		{Key: "kubernetes.io/hostname", Operator: metav1.LabelSelectorOpIn, Values: []string{w(2), w(3)}}}}
+	c.create("b-upgrade", b)
+	op := c.waitFailed("b-upgrade", "WorkersUnavailable")
+	holder := ichorv1.OperationIdentity(c.ns, "a-reboot")
+	if !strings.Contains(op.Status.Message, w(1)) || !strings.Contains(op.Status.Message, holder) {
+		t.Errorf("the message does not name %s and %s: %q", w(1), holder, op.Status.Message)
+	}
+	for _, m := range op.Status.Machines {
+		if m.StartedAt != nil {
+			t.Errorf("%s started (%s at %s) although the budget was used up", m.Name, m.Phase, m.Step)
+		}
+	}
+	if n := c.fleet.Recorder().Calls(w(2), "LifecycleService/Upgrade") + c.fleet.Recorder().Calls(w(3), "LifecycleService/Upgrade"); n != 0 {
+		t.Errorf("%d upgrades with the budget used up", n)
+	}
+
+	c.fleet.Machine(w(1)).ClearFaults()
+	c.kubectl("annotate", "talosoperation", "a-reboot", ichorv1.RetryAnnotation+"=true")
+	c.waitSucceeded("a-reboot", time.Minute)
+	c.kubectl("annotate", "talosoperation", "b-upgrade", ichorv1.RetryAnnotation+"=true")
+	c.waitSucceeded("b-upgrade", 2*time.Minute)
+	for i := 2; i <= 3; i++ {
+		if n := c.fleet.Recorder().UpgradesApplied(w(i)); n != 1 {
+			t.Errorf("%s: %d upgrades applied, want 1", w(i), n)
+		}
+	}
+}
