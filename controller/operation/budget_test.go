@@ -12,6 +12,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -117,4 +118,29 @@ func TestWorkersLeftCordonedFailTheStep(t *testing.T) {
 			t.Errorf("%s: %d upgrades applied, want 1", w(i), n)
 		}
 	}
+}
+
+// TestStepNotStartedIsReported: a step that status records as in progress
+// but that this controller cannot start (here a step name it does not
+// know, as an older or newer controller may have written) is reported in a
+// Warning Event naming it, not silently dropped.
+func TestStepNotStartedIsReported(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w1 := c.fleet.Machines()[1].Name()
+	op := c.create("reboot", rebootSpec(w1))
+	now := metav1.Now()
+	op.Status = ichorv1.TalosOperationStatus{StartTime: &now, Target: "reboot", Machines: []ichorv1.MachineStatus{
+		{Name: w1, Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "frobnicate", Attempts: 1, StartedAt: &now}}}
+	if err := env.Client.Status().Update(context.Background(), op); err != nil {
+		t.Fatal(err)
+	}
+	c.start()
+	testenv.Eventually(t, time.Minute, "a StepNotStarted Event", func(context.Context) (bool, error) {
+		for _, e := range c.events("reboot") {
+			if e.Reason == "StepNotStarted" && strings.Contains(e.Message, w1+": frobnicate not started") {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
 }

@@ -3,7 +3,10 @@ package operation
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
+
+	ctrl "sigs.k8s.io/controller-runtime"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -206,10 +209,11 @@ func (t *turn) countCalls() {
 
 // launch starts the Run steps that persisted status (as read, or as this
 // turn wrote it) records as in progress and that are not running or done
-// already.
-func (t *turn) launch(ctx context.Context) {
+// already. A step it cannot start is reported (a log line and a Warning
+// Event), never silently dropped, and again says to look again soon.
+func (t *turn) launch(ctx context.Context) (again bool) {
 	if !t.canLaunch {
-		return
+		return false
 	}
 	op := t.persisted
 	for _, m := range op.Status.Machines {
@@ -221,7 +225,11 @@ func (t *turn) launch(ctx context.Context) {
 			continue // this turn moved it on; the next turn starts what it wrote
 		}
 		step, ok := findStep(t.exec.Steps(op, &m), m.Step)
-		if !ok || step.Run == nil {
+		if !ok {
+			t.notStarted(m, fmt.Errorf("it is not a step of the %s kind in this controller's version", op.Spec.Kind))
+			continue
+		}
+		if step.Run == nil {
 			continue
 		}
 		k := t.key(m.Name)
@@ -237,8 +245,30 @@ func (t *turn) launch(ctx context.Context) {
 		}
 		env := t.env(m)
 		env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-		t.r.runner.launch(op, k, step, m.Attempts, timeout, env, t.talos.Another())
+		if err := t.r.runner.launch(op, k, step, m.Attempts, timeout, env, t.talos.Another()); err != nil {
+			t.notStarted(m, err)
+			again = true
+		}
 	}
+	return again
+}
+
+// notStarted reports a step that persisted status records as in progress
+// and that launch could not start.
+func (t *turn) notStarted(m ichorv1.MachineStatus, why error) {
+	t.log.Info("step not started", "machine", m.Name, "step", m.Step, "attempt", m.Attempts, "why", why.Error())
+	t.r.Recorder.Eventf(t.persisted, nil, corev1.EventTypeWarning, "StepNotStarted", "StepNotStarted", "%s: %s not started: %v", m.Name, m.Step, why)
+}
+
+// soon is when a turn whose steps could not all start looks again.
+const soon = time.Second
+
+// lookAgainSoon makes result look again within soon.
+func lookAgainSoon(result ctrl.Result) ctrl.Result {
+	if result.RequeueAfter == 0 || result.RequeueAfter > soon {
+		result.RequeueAfter = soon
+	}
+	return result
 }
 
 func orDash(s string) string {

@@ -339,7 +339,9 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 		if err := t.write(ctx); err != nil {
 			return ctrl.Result{}, client.IgnoreNotFound(err)
 		}
-		t.launch(ctx)
+		if t.launch(ctx) {
+			result = lookAgainSoon(result)
+		}
 		if !t.op.Settled() {
 			// A step's end, a Node event or the requeue brings this back.
 			return result, nil

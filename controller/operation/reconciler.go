@@ -123,7 +123,9 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 		// Let the next operation in at once, not a watch round trip later.
 		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRetry(ctx))
 	}
-	t.launch(ctx)
+	if t.launch(ctx) {
+		result = lookAgainSoon(result)
+	}
 	return result, t.removeRetry(ctx)
 }
 

@@ -2,6 +2,8 @@ package operation
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -124,16 +126,17 @@ func (r *runner) running(op types.UID) []string {
 
 // launch runs step in a goroutine and wakes the operation's reconcile when
 // it ends. The step holds talos, its hold on the Talos client, until then.
-func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env, talos *talos.Use) bool {
+// It says why when it cannot start the step now.
+func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env, talos *talos.Use) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.base == nil || r.base.Err() != nil {
 		talos.Release()
-		return false
+		return errors.New("the step runner is not running (the controller is starting or stopping)")
 	}
-	if _, ok := r.jobs[k]; ok {
+	if j, ok := r.jobs[k]; ok {
 		talos.Release()
-		return false
+		return fmt.Errorf("%s (attempt %d) is still running on the machine", j.step, j.attempt)
 	}
 	ctx, cancel := context.WithTimeout(r.base, timeout)
 	j := &job{step: step.Name, attempt: attempt, cancel: cancel}
@@ -180,7 +183,7 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 			// The channel only wakes reconciles; a full one means one is due anyway.
 		}
 	}()
-	return true
+	return nil
 }
 
 // progress returns the latest message of the machine's running step.

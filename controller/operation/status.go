@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"unicode/utf8"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -27,6 +28,7 @@ const (
 // that sets them, and now is the turn's time.
 func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	st := &op.Status
+	boundMessages(st.Machines)
 	st.Phase, st.Reason, st.Message = phaseOf(op, why)
 	if inFlight := st.InFlight(); !op.DeletionTimestamp.IsZero() && len(inFlight) > 0 {
 		st.Message = "deleted: the steps in flight settle before the cordons are lifted and the cluster lock is let go: " + strings.Join(inFlight, ", ")
@@ -109,6 +111,48 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		return ichorv1.PhaseRunning, "", why
 	}
 	return ichorv1.PhaseRunning, "", "running"
+}
+
+// Machine messages are bounded so that 5,000 machines, every one of them
+// failed, still fit in one object under 1 MiB: each machine's message is
+// cut to maxMessage bytes, and together they take at most messagesBudget,
+// failed machines first. A message past the budget is dropped: the
+// machine's StepFailed Event has it in full.
+const (
+	maxMessage     = 256
+	messagesBudget = 32 << 10
+)
+
+// boundMessages keeps the machines' messages within their bounds.
+func boundMessages(ms []ichorv1.MachineStatus) {
+	left := messagesBudget
+	for _, failed := range []bool{true, false} {
+		for i := range ms {
+			m := &ms[i]
+			if (m.Phase == ichorv1.MachineFailed) != failed || m.Message == "" {
+				continue
+			}
+			m.Message = cut(m.Message, maxMessage)
+			if len(m.Message) > left {
+				m.Message = ""
+				continue
+			}
+			left -= len(m.Message)
+		}
+	}
+}
+
+// cut shortens s to at most n bytes, on a rune boundary, marking the cut.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "…"
+	s = s[:n-len(mark)]
+	for !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s + mark
 }
 
 // failureMessage says which step failed where: the failure's reason, the

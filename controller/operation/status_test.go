@@ -1,6 +1,9 @@
 package operation
 
 import (
+	"encoding/json"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -253,4 +256,34 @@ func kstatusOf(t *testing.T, op *ichorv1.TalosOperation) *kstatus.Result {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// TestFailuresOf5000MachinesFit: 5,000 machines that all failed, each with
+// a long message, still fit in one object under 1 MiB once status is
+// derived; the first failure keeps its message, cut.
+func TestFailuresOf5000MachinesFit(t *testing.T) {
+	start := metav1.NewTime(time.Date(2026, 11, 30, 1, 2, 3, 0, time.UTC))
+	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindTalos}}
+	st := &op.Status
+	st.StartTime, st.Target, st.FailureReason = &start, "talos v1.13.7", "InstallFailed"
+	long := strings.Repeat("pull factory.talos.dev/metal-installer: rpc error: code = Unavailable desc = connection refused; ", 20)
+	for i := range 5000 {
+		st.Machines = append(st.Machines, ichorv1.MachineStatus{
+			Name: fmt.Sprintf("worker-pool-a-%05d", i), Role: ichorv1.RoleWorker, Phase: ichorv1.MachineFailed,
+			Step: "install", Attempts: 1, StartedAt: &start, FinishedAt: &start, From: "v1.12.4", To: "v1.13.7", Message: long,
+		})
+	}
+	deriveStatus(op, start, "")
+	b, err := json.Marshal(op)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const budget = 1 << 20
+	t.Logf("5,000 failed machines: %d bytes of JSON, %.2f of the 1 MiB budget", len(b), float64(len(b))/budget)
+	if len(b) >= budget {
+		t.Errorf("status of 5,000 failed machines is %d bytes, over the %d budget", len(b), budget)
+	}
+	if first := st.Machines[0].Message; first == "" || !strings.HasPrefix(long, strings.TrimSuffix(first, "…")) || len(first) > maxMessage {
+		t.Errorf("the first failure's message is %q", first)
+	}
 }

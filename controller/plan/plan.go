@@ -150,6 +150,10 @@ func (w Wait) String() string {
 	sort.Strings(names)
 	var parts []string
 	for _, name := range names {
+		if len(parts) == 3 {
+			parts = append(parts, fmt.Sprintf("%d more", len(names)-3))
+			break
+		}
 		parts = append(parts, name+": "+w.Out[name].Why)
 	}
 	if w.Stuck() {
