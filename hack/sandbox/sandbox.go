@@ -275,7 +275,7 @@ func (s *Sandbox) createLog(name string) (*os.File, error) {
 // startAPIServer starts etcd and kube-apiserver (both on loopback: envtest
 // binds them to 127.0.0.1) and writes an admin kubeconfig.
 func (s *Sandbox) startAPIServer() error {
-	s.env = &envtest.Environment{BinaryAssetsDirectory: s.cfg.Assets}
+	s.env = &envtest.Environment{BinaryAssetsDirectory: s.cfg.Assets, ControlPlaneStartTimeout: controlplane.StartTimeout}
 	cfg, err := s.env.Start()
 	if err != nil {
 		s.env = nil

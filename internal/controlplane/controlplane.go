@@ -141,10 +141,16 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
+// StartTimeout bounds how long a component (kube-apiserver and etcd too,
+// through envtest's ControlPlaneStartTimeout) may take to become healthy:
+// envtest's 20s is too short for a kube-apiserver starting on 2 cores that
+// several test packages share.
+const StartTimeout = 2 * time.Minute
+
 // waitHealthy polls /healthz on the component's own port (a self-signed
 // certificate made in memory) until it answers ok.
 func (p *Process) waitHealthy(ctx context.Context, port int) error {
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
 	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, // its own throwaway certificate, on loopback

@@ -92,6 +92,9 @@ func Start() (*Env, error) {
 		ErrorIfCRDPathMissing: true,
 		Scheme:                Scheme,
 	}
+	if os.Getenv("KUBEBUILDER_CONTROLPLANE_START_TIMEOUT") == "" {
+		env.ControlPlaneStartTimeout = controlplane.StartTimeout
+	}
 	cfg, err := env.Start()
 	if err != nil {
 		return nil, fmt.Errorf("start envtest from %s: %w", assets, err)
