@@ -101,7 +101,7 @@ func TestInterrupt(t *testing.T) {
 	if err := os.WriteFile(mine, []byte("mine"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "--dir", dir, "--control-planes", "1", "--workers", "1", "--pace", "100ms")
 	cmd.Env = append(os.Environ(), childEnv+"=1")
@@ -200,7 +200,7 @@ func waitReady(t *testing.T, r io.Reader, errOut *bytes.Buffer) string {
 		}
 	}()
 	var printed strings.Builder
-	deadline := time.After(90 * time.Second)
+	deadline := time.After(3 * time.Minute)
 	ready := false
 	for {
 		select {
@@ -223,7 +223,7 @@ func waitReady(t *testing.T, r io.Reader, errOut *bytes.Buffer) string {
 				return printed.String()
 			}
 		case <-deadline:
-			t.Fatalf("the sandbox was not ready within 90s:\n%s\n%s", printed.String(), errOut.String())
+			t.Fatalf("the sandbox was not ready within 3m:\n%s\n%s", printed.String(), errOut.String())
 		}
 	}
 }
