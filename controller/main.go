@@ -1,7 +1,8 @@
 // Command ichor-controller carries out TalosOperations. Run without a
 // subcommand it is the controller; `ichor-controller lock` takes or releases
 // the cluster lock from a Job's init container, and `ichor-controller cilium
-// upgrade` is the cni kind's Helm Job.
+// upgrade` is the cni kind's Helm Job and `ichor-controller install` the
+// ichor kind's installer Job.
 package main
 
 import (
@@ -20,7 +21,9 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/cilium"
 	"maesh.dev/ichor/controller/ciliumcmd"
+	"maesh.dev/ichor/controller/install"
 	"maesh.dev/ichor/controller/lockcmd"
 	"maesh.dev/ichor/internal/version"
 )
@@ -53,6 +56,11 @@ func newRoot() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("kubeconfig: %w", err)
 			}
+			if o.Image == "" {
+				if o.Image, err = app.OwnImage(cmd.Context(), cfg); err != nil {
+					return err
+				}
+			}
 			return app.Run(cmd.Context(), cfg, o)
 		},
 	}
@@ -62,11 +70,13 @@ func newRoot() *cobra.Command {
 	f.StringVar(&o.ProbeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
 	f.BoolVar(&o.LeaderElection, "leader-elect", true, "elect a leader among replicas (Lease "+ichorv1.LeaderLeaseName+")")
 	f.DurationVar(&o.StepTimeout, "step-timeout", 15*time.Minute, "time limit of steps that set none of their own")
+	f.StringVar(&o.Image, "image", "", "the controller's own image, which the cni kind's Job runs (default: read from the controller's pod, $POD_NAMESPACE/$POD_NAME)")
+	f.StringVar(&o.ChartDir, "chart-dir", "", "directory of the Cilium chart this image ships (default "+cilium.ChartDir+")")
 	gf := flag.NewFlagSet("zap", flag.ContinueOnError)
 	zo.BindFlags(gf)
 	f.AddGoFlagSet(gf)
 
-	cmd.AddCommand(lockcmd.New(), ciliumcmd.New(), &cobra.Command{
+	cmd.AddCommand(lockcmd.New(), ciliumcmd.New(), install.New(), &cobra.Command{
 		Use:   "version",
 		Short: "Print the version",
 		Args:  cobra.NoArgs,

@@ -30,6 +30,7 @@ import (
 
 	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/cilium"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/membership"
@@ -72,6 +73,14 @@ type Options struct {
 	// TestHookAfterRun is operation.Reconciler.TestHookAfterRun: called
 	// after a Run step returns, before status records it. Nil in production.
 	TestHookAfterRun func(operation.StepRun)
+	// Image is the controller's own image, which the cni kind's Job runs
+	// (main.go reads it from the controller's pod).
+	Image string
+	// ChartDir is where the Cilium chart is (default cilium.ChartDir, the
+	// image's), and CiliumChart its pin (default the compatibility table's):
+	// tests and the sandbox point them at the test chart.
+	ChartDir    string
+	CiliumChart *compat.ChartPin
 }
 
 // New builds the manager with every reconciler registered.
@@ -116,6 +125,14 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	}
 	lk := &lock.Lock{Client: mgr.GetClient(), Namespace: o.Namespace,
 		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
+	live, err := client.New(cfg, client.Options{Scheme: Scheme})
+	if err != nil {
+		return nil, fmt.Errorf("client: %w", err)
+	}
+	self := executor.Controller{Namespace: o.Namespace, Version: o.Version, Image: o.Image, ChartDir: orDefault(o.ChartDir, cilium.ChartDir), Chart: table.CiliumChart}
+	if o.CiliumChart != nil {
+		self.Chart = *o.CiliumChart
+	}
 	conn := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
 	// The Talos client closes with the manager, once the steps using it end.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
@@ -126,6 +143,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	}
 	r := &operation.Reconciler{
 		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
+		Live: live, Controller: self,
 		Lock: lk, Talos: conn,
 		Compat: table, Executors: o.Executors, StepTimeout: o.StepTimeout,
 		Log: o.Log.WithName("operation"), TestHookAfterRun: o.TestHookAfterRun,

@@ -97,7 +97,10 @@ func upgrade(t *testing.T, dir string, pin compat.ChartPin, kpr bool) cilium.Res
 
 type testWriter struct{ t *testing.T }
 
-func (w testWriter) Write(p []byte) (int, error) { w.t.Log(strings.TrimSpace(string(p))); return len(p), nil }
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
 
 func agents(t *testing.T) (*appsv1.DaemonSet, *corev1.ConfigMap) {
 	t.Helper()

@@ -20,7 +20,9 @@ import (
 
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/lock"
 )
 
 // Executor is what a kind adds to the shared driver.
@@ -95,6 +97,16 @@ type Env struct {
 	// Identity is the operation's lock identity (it marks the cordons it makes).
 	Identity string
 	Log      logr.Logger
+	// Nodes are every Node of the cluster, as the cache has them (read-only):
+	// for cluster-wide steps, which change every machine.
+	Nodes []corev1.Node
+	// Live reads from and writes to the API server, not the cache: for
+	// objects the controller does not cache (DaemonSets, ConfigMaps).
+	Live client.Client
+	// Lock is the cluster lock, which a step lends to the Job it starts.
+	Lock *lock.Lock
+	// Controller is what the controller running the step knows of itself.
+	Controller Controller
 	// Progress, when set, replaces the machine's message while a Run step
 	// runs (a drain says what it waits for); the reconciler records it.
 	Progress func(message string)
@@ -105,6 +117,19 @@ func (e *Env) report(message string) {
 	if e.Progress != nil {
 		e.Progress(message)
 	}
+}
+
+// Controller is what a step knows of the controller that runs it.
+type Controller struct {
+	// Namespace is the controller's namespace, where the cluster lock is.
+	Namespace string
+	// Version is this controller's version.
+	Version string
+	// Image is the controller's own image, which the cni kind's Job runs.
+	Image string
+	// ChartDir is where the image keeps the Cilium chart, and Chart its pin.
+	ChartDir string
+	Chart    compat.ChartPin
 }
 
 // StepError is a failed step. The reconciler pauses the operation with
@@ -161,6 +186,8 @@ type Registry map[ichorv1.OperationKind]Executor
 func Default() Registry {
 	return Registry{
 		ichorv1.KindTalos: TalosUpgrade{},
+		ichorv1.KindCNI:   CNIChange{},
+		ichorv1.KindIchor: IchorUpgrade{},
 		ichorv1.KindNode:  NodeAction{},
 	}
 }

@@ -121,11 +121,7 @@ func (NodeAction) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 	}
 	switch n.Action {
 	case ichorv1.NodeReboot:
-		disrupt(true)
-		steps = append(steps, callStep(StepReboot, 2*time.Minute, nodeReboot), rebootedStep(nil, StepRecordBoot))
-		if drainOn {
-			steps = append(steps, uncordonStep())
-		}
+		return rebootSteps(op, m)
 	case ichorv1.NodeShutdown:
 		disrupt(true)
 		steps = append(steps, callStep(StepShutdown, 2*time.Minute, shutdown), waitDownStep())
@@ -139,6 +135,26 @@ func (NodeAction) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 		steps = append(steps, defragStep())
 	case ichorv1.NodeEtcdForfeitLeadership:
 		steps = append(steps, forfeitStep())
+	}
+	return steps
+}
+
+// rebootSteps reboot a machine gracefully: its boot recorded, etcd's
+// health checked (control planes), cordoned and drained (unless
+// spec.drain.disabled), rebooted, back with a new boot ID and Ready, and
+// uncordoned.
+func rebootSteps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []Step {
+	drainOn := op.Spec.Drain == nil || !op.Spec.Drain.Disabled
+	steps := []Step{recordBootStep()}
+	if m.Role == ichorv1.RoleControlPlane {
+		steps = append(steps, etcdHealthStep())
+	}
+	if drainOn {
+		steps = append(steps, cordonStep(), drainStep(op))
+	}
+	steps = append(steps, callStep(StepReboot, 2*time.Minute, nodeReboot), rebootedStep(nil, StepRecordBoot))
+	if drainOn {
+		steps = append(steps, uncordonStep())
 	}
 	return steps
 }

@@ -30,10 +30,10 @@ func TestInventory(t *testing.T) {
 	}
 	coredns := inventory.Ref("apps", "Deployment", "kube-system", "coredns")
 	cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: inventory.Namespace, Name: inventory.Name}, Data: map[string]string{
-		"kube-system_kube-proxy_apps_DaemonSet":                        "",
-		"kube-system_kube-proxy__ServiceAccount":                       "",
-		"_kube-proxy_rbac.authorization.k8s.io_ClusterRoleBinding":     "",
-		"kube-system_coredns_apps_Deployment":                          "",
+		"kube-system_kube-proxy_apps_DaemonSet":                         "",
+		"kube-system_kube-proxy__ServiceAccount":                        "",
+		"_kube-proxy_rbac.authorization.k8s.io_ClusterRoleBinding":      "",
+		"kube-system_coredns_apps_Deployment":                           "",
 		"_system__coredns_rbac.authorization.k8s.io_ClusterRoleBinding": "",
 	}}
 	if err := env.Client.Create(ctx, cm); err != nil {

@@ -10,6 +10,7 @@ import (
 
 	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/cilium"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/preflight"
 )
@@ -36,6 +37,19 @@ func (t *turn) facts(ctx context.Context) (preflight.Cluster, error) {
 		return c, err
 	}
 	c.ControlPlane = cp
+	switch t.op.Spec.Kind {
+	case ichorv1.KindCNI:
+		agents, err := cilium.ReadAgents(ctx, t.r.live())
+		if err != nil {
+			return c, err
+		}
+		if agents != nil {
+			c.Cilium = agents.Version.String()
+		}
+		c.CiliumChart = t.r.Controller.Chart.Version
+	case ichorv1.KindIchor:
+		c.Ichor = t.r.Controller.Version
+	}
 	return c, nil
 }
 

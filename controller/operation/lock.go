@@ -20,7 +20,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if st.Holder != id {
+	if !st.Holds(id) {
 		// Whether the lock is free, held, or held by someone stale: an
 		// older operation that wants it too goes first.
 		older, err := t.olderInQueue(ctx)

@@ -38,10 +38,16 @@ import (
 type Reconciler struct {
 	Client    client.Client
 	Clientset kubernetes.Interface
-	Recorder  recorder.EventRecorder
-	Lock      *lock.Lock
-	Talos     *talos.Connector
-	Executors executor.Registry
+	// Live reads and writes past the cache (DaemonSets, ConfigMaps that
+	// the controller does not watch); nil means Client.
+	Live client.Client
+	// Controller is what the controller knows of itself, for the steps
+	// that start Jobs.
+	Controller executor.Controller
+	Recorder   recorder.EventRecorder
+	Lock       *lock.Lock
+	Talos      *talos.Connector
+	Executors  executor.Registry
 	// Compat is the compatibility table; nil means the embedded one.
 	Compat *compat.Table
 	// StepTimeout bounds steps that do not set their own.

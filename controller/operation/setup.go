@@ -2,11 +2,13 @@ package operation
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -19,6 +21,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
 )
 
@@ -65,14 +68,27 @@ func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Re
 	})
 }
 
-// jobHolder maps a change of a Job to the waiting operations when that Job
+// jobHolder maps a change of a Job to the operation that started it (its
+// step waits for the Job), and to the waiting operations when that Job
 // holds the cluster lock.
 func (r *Reconciler) jobHolder(ctx context.Context, job client.Object) []reconcile.Request {
+	var out []reconcile.Request
+	if ns, name, ok := strings.Cut(job.GetAnnotations()[executor.JobOperationAnnotation], "/"); ok {
+		out = append(out, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: ns, Name: name}})
+	}
 	st, err := r.Lock.Get(ctx)
 	if err != nil || st.Holder != ichorv1.JobIdentity(job.GetNamespace(), job.GetName()) {
-		return nil
+		return out
 	}
-	return r.waiters(ctx, job)
+	return append(out, r.waiters(ctx, job)...)
+}
+
+// live is the client that reads past the cache.
+func (r *Reconciler) live() client.Client {
+	if r.Live != nil {
+		return r.Live
+	}
+	return r.Client
 }
 
 // waiters maps an event to the other operations that wait for the cluster lock.

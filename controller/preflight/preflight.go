@@ -41,6 +41,14 @@ const (
 	KubernetesTalosSupported = "KubernetesTalosSupported"
 	KubeletSkew              = "KubeletSkew"
 
+	CiliumChartShipped = "CiliumChartShipped"
+	CiliumVersionNewer = "CiliumVersionNewer"
+	CiliumMinorSkip    = "CiliumMinorSkip"
+
+	IchorVersionValid = "IchorVersionValid"
+	IchorVersionFinal = "IchorVersionFinal"
+	IchorVersionNewer = "IchorVersionNewer"
+
 	// CompatibilityTable: the combination after the operation is in the table.
 	CompatibilityTable = "CompatibilityTable"
 )
@@ -52,6 +60,8 @@ var Checks = []string{
 	TalosKubernetesSupported,
 	KubernetesVersionFinal, KubernetesVersionKnown, KubernetesVersionNewer, KubernetesMinorSkip,
 	KubernetesTalosSupported, KubeletSkew,
+	CiliumChartShipped, CiliumVersionNewer, CiliumMinorSkip,
+	IchorVersionValid, IchorVersionFinal, IchorVersionNewer,
 	CompatibilityTable,
 }
 
@@ -89,8 +99,13 @@ type Cluster struct {
 	// (the API server, controller manager and scheduler), "v1.35.2".
 	ControlPlane string
 	// Cilium is the version of the Cilium Ichor installed, "" when it
-	// installed none.
+	// installed none. For kind cni, the Cilium that runs.
 	Cilium string
+	// CiliumChart is the version of the chart this Ichor ships ("" reads
+	// the table's pin).
+	CiliumChart string
+	// Ichor is the running controller's version (kind ichor).
+	Ichor string
 }
 
 // Failure is one failed check.
@@ -103,7 +118,7 @@ type Failure struct {
 
 // Check runs the checks of the operation's kind and returns the failures, in
 // the order of Checks; none means the operation may run. Kinds other than
-// talos and kubernetes have no version checks. A nil table is the embedded one.
+// talos, kubernetes, cni and ichor have no version checks. A nil table is the embedded one.
 func Check(spec v1alpha1.TalosOperationSpec, c Cluster, t *compat.Table) []Failure {
 	if t == nil {
 		var err error
@@ -118,6 +133,10 @@ func Check(spec v1alpha1.TalosOperationSpec, c Cluster, t *compat.Table) []Failu
 		checkTalos(&r, spec.Talos, c, t)
 	case v1alpha1.KindKubernetes:
 		checkKubernetes(&r, spec.Kubernetes, c, t)
+	case v1alpha1.KindCNI:
+		checkCNI(&r, spec.CNI, c, t)
+	case v1alpha1.KindIchor:
+		checkIchor(&r, spec.Ichor, c)
 	default:
 		return nil
 	}

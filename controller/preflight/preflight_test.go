@@ -230,10 +230,66 @@ func TestKubernetesChecks(t *testing.T) {
 	})
 }
 
+func cniOp(chart string) v1alpha1.TalosOperationSpec {
+	return v1alpha1.TalosOperationSpec{Kind: v1alpha1.KindCNI, CNI: &v1alpha1.CNIChange{ChartVersion: chart}}
+}
+
+func shipping(c Cluster, chart string) Cluster {
+	c.CiliumChart = chart
+	return c
+}
+
+func TestCNIChecks(t *testing.T) {
+	on135 := fleet("v1.13.7", "v1.35.2", "v1.18.11")
+	runCases(t, []checkCase{
+		{name: "one minor up passes", spec: cniOp(""), cluster: shipping(on135, "1.19.6")},
+		{name: "the chart named is the one shipped", spec: cniOp("1.19.6"), cluster: shipping(on135, "1.19.6")},
+		{name: "the same version passes (a mode switch)", spec: cniOp(""), cluster: shipping(fleet("v1.13.7", "v1.35.2", "v1.19.6"), "1.19.6")},
+		{name: "another chart than the shipped one", spec: cniOp("1.20.2"), cluster: shipping(on135, "1.19.6"), want: []Failure{
+			{CiliumChartShipped, "this Ichor ships the Cilium chart 1.19.6 only, not 1.20.2: leave spec.cni.chartVersion empty, or use the Ichor release that ships 1.20.2"},
+		}},
+		{name: "two minors ahead", spec: cniOp(""), cluster: shipping(fleet("v1.13.7", "v1.33.4", "v1.17.9"), "1.19.6"), want: []Failure{
+			{CiliumMinorSkip, "the chart v1.19.6 is 2 minors ahead of Cilium v1.17.9, which runs, and Cilium is upgraded one minor at a time (its only tested path); move Cilium to the latest 1.18 patch first, with an Ichor release that ships it"},
+		}},
+		{name: "a downgrade", spec: cniOp(""), cluster: shipping(fleet("v1.13.7", "v1.35.2", "v1.20.1"), "1.19.6"), want: []Failure{
+			{CiliumVersionNewer, "the cluster runs Cilium v1.20.1, newer than the chart v1.19.6 this Ichor ships, and Ichor does not downgrade Cilium; upgrade Ichor to a release that ships 1.20 or newer"},
+		}},
+		{name: "Kubernetes the chart does not run with", spec: cniOp(""), cluster: shipping(fleet("v1.13.7", "v1.36.1", "v1.18.11"), "1.19.6"), want: []Failure{
+			{CompatibilityTable, "Cilium v1.19.6 with Talos 1.13 and Kubernetes v1.36.1 is not in Ichor's compatibility table, which lists Cilium 1.20 or none with them (see kubectl ichor compat)"},
+		}},
+		{name: "the shipped chart by default", spec: v1alpha1.TalosOperationSpec{Kind: v1alpha1.KindCNI}, cluster: on135},
+	})
+}
+
+func ichorOp(version string) v1alpha1.TalosOperationSpec {
+	return v1alpha1.TalosOperationSpec{Kind: v1alpha1.KindIchor, Ichor: &v1alpha1.IchorUpgrade{Version: version}}
+}
+
+func TestIchorChecks(t *testing.T) {
+	running := Cluster{Ichor: "v0.1.0"}
+	runCases(t, []checkCase{
+		{name: "newer passes", spec: ichorOp("v0.2.0"), cluster: running},
+		{name: "from a development build", spec: ichorOp("v0.2.0"), cluster: Cluster{Ichor: "v0.1.0-3-gabc1234"}},
+		{name: "pre-release", spec: ichorOp("v0.2.0-rc.1"), cluster: running, want: []Failure{
+			{IchorVersionFinal, "Ichor v0.2.0-rc.1 is not a final release; pick a release such as v0.2.0"},
+		}},
+		{name: "not newer", spec: ichorOp("v0.1.0"), cluster: running, want: []Failure{
+			{IchorVersionNewer, "Ichor v0.1.0 is not newer than v0.1.0, which runs; Ichor does not downgrade itself (its CRD and status may have moved on): pick a release newer than v0.1.0"},
+		}},
+		{name: "unreadable running version", spec: ichorOp("v0.2.0"), cluster: Cluster{Ichor: "dev"}, want: []Failure{
+			{VersionsReadable, `the running controller's version "dev" is not a version, so Ichor cannot tell whether v0.2.0 is newer`},
+		}},
+		{name: "spec.ichor missing", spec: v1alpha1.TalosOperationSpec{Kind: v1alpha1.KindIchor}, cluster: running, want: []Failure{
+			{IchorVersionValid, "spec.ichor is not set; set spec.ichor.version to the Ichor release to install, like v0.2.0"},
+		}},
+	})
+}
+
 func TestOtherKindsHaveNoVersionChecks(t *testing.T) {
 	tab := table(t)
 	for _, kind := range v1alpha1.Kinds {
-		if kind == v1alpha1.KindTalos || kind == v1alpha1.KindKubernetes {
+		switch kind {
+		case v1alpha1.KindTalos, v1alpha1.KindKubernetes, v1alpha1.KindCNI, v1alpha1.KindIchor:
 			continue
 		}
 		if got := Check(v1alpha1.TalosOperationSpec{Kind: kind}, Cluster{}, tab); got != nil {
