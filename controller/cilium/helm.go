@@ -95,12 +95,15 @@ func Upgrade(ctx context.Context, getter genericclioptions.RESTClientGetter, req
 		up := action.NewUpgrade(cfg)
 		up.Namespace, up.WaitStrategy, up.Timeout, up.MaxHistory = Namespace, kube.StatusWatcherStrategy, req.Timeout, 10
 		up.ResetValues = true
+		// The fields Ichor sets are Ichor's from now on, whoever applied them
+		// before (the user's helm, as another field manager).
+		up.ForceConflicts = true
 		log.Info("upgrading", "release", Release, "from", agents.Version.String(), "chart", req.Chart.Metadata.Version, "kubeProxyReplacement", req.KubeProxyReplacement)
 		rel, err = up.RunWithContext(ctx, Release, req.Chart, plan.Values)
 	} else {
 		in := action.NewInstall(cfg)
 		in.ReleaseName, in.Namespace, in.WaitStrategy, in.Timeout = Release, Namespace, kube.StatusWatcherStrategy, req.Timeout
-		in.TakeOwnership = true
+		in.TakeOwnership, in.ForceConflicts = true, true
 		log.Info("Helm does not manage this Cilium: installing the release over its objects", "release", Release, "from", agents.Version.String(), "chart", req.Chart.Metadata.Version)
 		rel, err = in.RunWithContext(ctx, req.Chart, plan.Values)
 	}
