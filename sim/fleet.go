@@ -133,7 +133,13 @@ func (f *Fleet) start(ctx context.Context, kc kubernetes.Interface) error {
 		return err
 	}
 	f.kube = k
-	return k.registerAll(ctx)
+	if err := k.registerAll(ctx); err != nil {
+		return err
+	}
+	for _, m := range f.controlPlanes {
+		k.kubeProxyManifest(m)
+	}
+	return nil
 }
 
 // Stop stops every machine, listener and watch. It is safe to call twice.

@@ -261,6 +261,7 @@ func (m *Machine) liveChanged(old, cfg config.Provider) {
 	}
 	m.f.kube.syncNodeConfigLater(m)
 	m.f.kube.configChanged(m)
+	m.f.kube.kubeProxyManifest(m)
 }
 
 // cancelTry drops a pending TRY revert, as any other apply mode does.

@@ -57,6 +57,10 @@ type Spec struct {
 	APIServer *rest.Config
 	// Kubelet says how the machines play their kubelets.
 	Kubelet Kubelet
+	// KubeProxy makes the control planes apply Talos's kube-proxy
+	// bootstrap manifest while cluster.proxy is enabled (creating what is
+	// missing, recording it in the inventory ConfigMap), as Talos does.
+	KubeProxy bool
 }
 
 // Kubelet configures the machines' kubelets (see the package
