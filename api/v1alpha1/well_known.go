@@ -21,6 +21,10 @@ const (
 
 	// ControlPlaneLabel marks control-plane Nodes.
 	ControlPlaneLabel = "node-role.kubernetes.io/control-plane"
+
+	// JobOperationUIDLabel on a Job (and its pods) names the UID of the
+	// operation that started it: the watch finds an operation's Jobs by it.
+	JobOperationUIDLabel = "ichor.maesh.dev/operation-uid"
 )
 
 // Objects in the controller's namespace that the plugin reads too.

@@ -16,9 +16,8 @@ import (
 
 // Labels and annotations on the Jobs an operation starts.
 const (
-	// JobOperationUIDLabel names the operation a Job works for: the watch
-	// view finds its Jobs by it.
-	JobOperationUIDLabel = "ichor.maesh.dev/operation-uid"
+	// JobOperationUIDLabel names the operation a Job works for.
+	JobOperationUIDLabel = ichorv1.JobOperationUIDLabel
 	// JobOperationAnnotation is the operation's namespace/name: a change of
 	// the Job wakes that operation.
 	JobOperationAnnotation = "ichor.maesh.dev/operation"

@@ -136,7 +136,7 @@ func (e *Env) newDisplay(ctx context.Context, c client.Reader, ff followFlags, o
 	case ff.wait && !ff.watch:
 		return &quietDisplay{e: e, out: out}
 	case e.IsTerminal(out):
-		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out), around: &surroundings{ctx: ctx, c: c}}
+		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out), around: &surroundings{ctx: ctx, c: c, logs: e.lastLogLine}}
 	}
 	return &logDisplay{e: e, out: out}
 }
@@ -148,6 +148,7 @@ func (e *Env) newDisplay(ctx context.Context, c client.Reader, ff followFlags, o
 type surroundings struct {
 	ctx    context.Context
 	c      client.Reader
+	logs   podLogs
 	last   time.Time
 	failed string
 	facts  view.Options
@@ -179,6 +180,10 @@ func (s *surroundings) read(op *ichorv1.TalosOperation, now time.Time) view.Opti
 		for _, w := range waiting {
 			s.facts.Queue = append(s.facts.Queue, view.QueuedOperation{Namespace: w.Namespace, Name: w.Name, Kind: ichorv1.OperationKind(w.Kind)})
 		}
+	}
+	s.facts.Jobs = nil
+	if op.Spec.Kind == ichorv1.KindCNI || op.Spec.Kind == ichorv1.KindIchor {
+		s.facts.Jobs = operationJobs(s.ctx, s.c, s.logs, op)
 	}
 	return s.facts
 }

@@ -39,6 +39,20 @@ type Options struct {
 	// Queue are the operations waiting for the cluster lock, in the order
 	// they get it, as namespace/name.
 	Queue []QueuedOperation
+	// Jobs are the Jobs the operation started (kinds cni and ichor), as
+	// their newest pods show them.
+	Jobs []JobRun
+}
+
+// JobRun is a Job an operation started, as its newest pod shows it.
+type JobRun struct {
+	Namespace, Name string
+	// Phase says where the pod stands: Pending, waiting for the cluster
+	// lock (its lock init container runs), Running, Succeeded, Failed.
+	Phase string
+	// LastLine is the last line its container logged (or, once it ended,
+	// its termination message's last line); empty when unknown.
+	LastLine string
 }
 
 // QueuedOperation is an operation waiting for the cluster lock.
@@ -130,6 +144,13 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	}
 	if q := queueText(op, o.Queue); q != "" {
 		long(faint, "Queue:   ", q)
+	}
+	for _, j := range o.Jobs {
+		text := Clean(j.Namespace+"/"+j.Name) + ": " + Clean(j.Phase)
+		if j.LastLine != "" {
+			text += ": " + Shorten(Clean(j.LastLine))
+		}
+		long(faint, "Job:     ", text)
 	}
 	failed := failedMachines(op)
 	if op.StepFailed() {

@@ -118,6 +118,21 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 	}
 	s["succeeded"] = done
 
+	cni := baseOp()
+	cni.Name, cni.Spec.Kind, cni.Spec.Talos = "upgrade-cni-x8v2d", ichorv1.KindCNI, nil
+	cni.Spec.CNI = &ichorv1.CNIChange{}
+	cni.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRunning, Lock: ichorv1.LockHeld, Target: "cilium 1.19.6", Progress: "0/3", Current: "cp-1",
+		StartTime: ago(2 * time.Minute), ObservedGeneration: 1, Message: "running",
+		Machines: []ichorv1.MachineStatus{
+			{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineInProgress, Step: "wait-cilium", StartedAt: ago(100 * time.Second), Attempts: 1,
+				Message: "Job kube-system/ichor-cni-5c1e0a9d3f-1 is running"},
+			{Name: "worker-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachinePending},
+			{Name: "worker-2", Role: ichorv1.RoleWorker, Phase: ichorv1.MachinePending},
+		},
+	}
+	s["cni-job"] = cni
+
 	s["many"] = fleet(60, 3, 1)
 	s["config-plan"], s["config-running"] = configRollout()
 	return s
@@ -167,6 +182,9 @@ func facts(scenario string, o Options) Options {
 		o.Queue = []QueuedOperation{{"prod", "node-reboot-w3", ichorv1.KindNode}, {"staging", "upgrade-kubernetes-9z", ichorv1.KindKubernetes}}
 	case "lock-wait":
 		o.Queue = []QueuedOperation{{"prod", "upgrade-k8s-a1", ichorv1.KindKubernetes}, {"prod", "upgrade-talos-7fk2q", ichorv1.KindTalos}, {"prod", "node-reboot-w3", ichorv1.KindNode}}
+	case "cni-job":
+		o.Jobs = []JobRun{{Namespace: "kube-system", Name: "ichor-cni-5c1e0a9d3f-1", Phase: "Running",
+			LastLine: `level=INFO msg="waiting for resources" release=cilium kinds="DaemonSet/cilium, Deployment/cilium-operator"`}}
 	}
 	return o
 }
