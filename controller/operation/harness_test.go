@@ -96,13 +96,24 @@ func withLeaderElection() controllerOption {
 // start runs a controller for this cluster, in-process, as ichor-controller would.
 func (c *cluster) start(opts ...controllerOption) *controller {
 	c.t.Helper()
+	return c.startWith(testcluster.StartController, opts...)
+}
+
+// startKillableWith is start with a controller that Kill kills as SIGKILL would.
+func (c *cluster) startKillableWith(opts ...controllerOption) *controller {
+	c.t.Helper()
+	return c.startWith(testcluster.StartKillable, opts...)
+}
+
+func (c *cluster) startWith(run func(testing.TB, *rest.Config, app.Options) *testcluster.Controller, opts ...controllerOption) *controller {
+	c.t.Helper()
 	steps := &stepCounter{counts: map[string]int{}}
 	o := app.Options{Namespace: c.ctrlNS, Executors: countingRegistry(executor.Default(), steps)}
 	cfg := rest.CopyConfig(env.Config)
 	for _, opt := range opts {
 		opt(&o, &cfg)
 	}
-	return &controller{Controller: testcluster.StartController(c.t, cfg, o), steps: steps}
+	return &controller{Controller: run(c.t, cfg, o), steps: steps}
 }
 
 // stepCounter counts the steps a controller ran, to tell replicas apart.

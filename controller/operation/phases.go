@@ -76,7 +76,11 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 	var actions []string
 	for _, m := range op.Status.Machines {
 		if m.Phase != ichorv1.MachineSkipped {
-			actions = append(actions, t.exec.Check(ctx, t.env(m))...)
+			// The checks see the machines this turn put in scope, which the
+			// persisted status of a new operation does not hold yet.
+			env := t.env(m)
+			env.Op = op
+			actions = append(actions, t.exec.Check(ctx, env)...)
 		}
 	}
 	if len(actions) > 0 {
