@@ -52,6 +52,11 @@ func Upgrade(ctx context.Context, getter genericclioptions.RESTClientGetter, req
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	// Ichor upgrades the release as the helm CLI does, under its field
+	// manager: server-side apply removes only the fields the applying
+	// manager owned, so under a manager of its own a field the new chart no
+	// longer renders (1.18's mount-cgroup init container) would stay.
+	kube.ManagedFieldsManager = FieldManager
 	cfg := action.NewConfiguration(action.ConfigurationSetLogger(log.Handler()))
 	if err := cfg.Init(getter, Namespace, "secret"); err != nil {
 		return Result{}, fmt.Errorf("helm: %w", err)

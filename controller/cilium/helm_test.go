@@ -69,8 +69,8 @@ func userInstall(t *testing.T, dir string, pin compat.ChartPin, vals map[string]
 	}
 	in := action.NewInstall(helmConfig(t))
 	in.ReleaseName, in.Namespace, in.WaitStrategy, in.Timeout = cilium.Release, cilium.Namespace, kube.StatusWatcherStrategy, time.Minute
-	// With the helm CLI: its server-side apply field manager is another than Ichor's.
-	kube.ManagedFieldsManager = "helm"
+	// As the helm CLI does, under its server-side apply field manager.
+	kube.ManagedFieldsManager = cilium.FieldManager
 	defer func() { kube.ManagedFieldsManager = "" }()
 	if _, err := in.RunWithContext(context.Background(), ch, vals); err != nil {
 		t.Fatal(err)

@@ -15,8 +15,10 @@ import (
 
 // Where Cilium lives, as its chart installs it.
 const (
-	Namespace      = "kube-system"
-	Release        = "cilium"
+	Namespace = "kube-system"
+	Release   = "cilium"
+	// FieldManager is the helm CLI's server-side apply field manager.
+	FieldManager   = "helm"
 	DaemonSet      = "cilium"
 	ConfigMap      = "cilium-config"
 	AgentContainer = "cilium-agent"
