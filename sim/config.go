@@ -10,10 +10,12 @@ import (
 	"sync"
 
 	"github.com/blang/semver/v4"
+	"github.com/hashicorp/go-multierror"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/compatibility"
 	"github.com/siderolabs/talos/pkg/machinery/config"
 	"github.com/siderolabs/talos/pkg/machinery/config/configdiff"
+	"github.com/siderolabs/talos/pkg/machinery/config/configloader"
 	"github.com/siderolabs/talos/pkg/machinery/config/container"
 	"github.com/siderolabs/talos/pkg/machinery/config/generate"
 	machinetype "github.com/siderolabs/talos/pkg/machinery/config/machine"
@@ -59,9 +61,20 @@ func (c *configs) get(m MachineSpec, endpoint string) (config.Provider, error) {
 	if m.Role == ControlPlane {
 		typ = machinetype.TypeControlPlane
 	}
-	p, err := in.Config(typ)
+	generated, err := in.Config(typ)
 	if err != nil {
 		return nil, fmt.Errorf("generate %s config: %w", m.Role, err)
+	}
+	// A machine holds its configuration as the bytes it was given (talosctl
+	// gen config writes them with comments), loaded read-only, as Talos
+	// loads it from its STATE partition: served as those bytes.
+	b, err := generated.EncodeBytes()
+	if err != nil {
+		return nil, fmt.Errorf("encode %s config: %w", m.Role, err)
+	}
+	p, err := configloader.NewFromBytes(b)
+	if err != nil {
+		return nil, fmt.Errorf("load %s config: %w", m.Role, err)
 	}
 	c.cache[key] = p
 	return p, nil
@@ -172,14 +185,18 @@ func validateConfig(p config.Provider, talos string) ([]string, error) {
 	if err != nil {
 		return warnings, err
 	}
-	var errs []error
+	// As Talos's RuntimeValidate (ValidateKubernetesImageTag, against the
+	// version the machine runs), its errors gathered in a multierror.
+	var errs *multierror.Error
 	check := func(what, ref string) {
 		v, err := v1alpha1.KubernetesVersionFromImageRef(ref)
-		if err == nil {
+		if err != nil {
+			err = fmt.Errorf("failed to parse Kubernetes version from image reference %q: %w", ref, err)
+		} else {
 			err = v.SupportedWith(host)
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s image is not valid: %w", what, err))
+			errs = multierror.Append(errs, fmt.Errorf("%s image is not valid: %w", what, err))
 		}
 	}
 	cfg := p.RawV1Alpha1()
@@ -189,7 +206,7 @@ func validateConfig(p config.Provider, talos string) ([]string, error) {
 		check("kube-controller-manager", cfg.Cluster().ControllerManager().Image())
 		check("kube-scheduler", cfg.Cluster().Scheduler().Image())
 	}
-	return warnings, errors.Join(errs...)
+	return warnings, errs.ErrorOrNil()
 }
 
 type validationMode struct{}
