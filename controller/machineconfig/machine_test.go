@@ -71,9 +71,9 @@ func timeout(t *testing.T) context.Context {
 	return ctx
 }
 
-func state(t *testing.T, m machineconfig.Machine, ch machineconfig.Change) machineconfig.State {
+func state(t *testing.T, m machineconfig.Machine, patches []machineconfig.Patch, ch machineconfig.Change) machineconfig.State {
 	t.Helper()
-	s, err := m.StateOf(timeout(t), ch.From, ch.To)
+	s, _, err := m.StateOf(timeout(t), patches, ch.To)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,17 +90,17 @@ func TestApplyLive(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ch.Applied() || !strings.Contains(ch.Diff, "zone: a") {
-		t.Fatalf("plan: %+v", ch)
+	if diff, err := ch.Diff(); ch.Applied() || err != nil || !strings.Contains(diff, "zone: a") {
+		t.Fatalf("plan: %+v, diff %q (%v)", ch, diff, err)
 	}
-	if s := state(t, m, ch); s != machineconfig.NotApplied {
+	if s := state(t, m, patches, ch); s != machineconfig.NotApplied {
 		t.Fatalf("before the apply: %s", s)
 	}
 	dry, err := m.DryRun(ctx, ch.Config, machineconfig.Auto)
 	if err != nil || dry.Reboot {
 		t.Fatalf("dry run: %+v, %v", dry, err)
 	}
-	if s := state(t, m, ch); s != machineconfig.NotApplied {
+	if s := state(t, m, patches, ch); s != machineconfig.NotApplied {
 		t.Fatalf("a dry run applied: %s", s)
 	}
 	boot := w.BootID()
@@ -111,7 +111,7 @@ func TestApplyLive(t *testing.T) {
 	if err := m.Verify(ctx, ch.To); err != nil {
 		t.Fatal(err)
 	}
-	if s := state(t, m, ch); s != machineconfig.Applied {
+	if s := state(t, m, patches, ch); s != machineconfig.Applied {
 		t.Fatalf("after the apply: %s", s)
 	}
 	if w.Config().Machine().NodeLabels()["zone"] != "a" || w.BootID() != boot {
@@ -132,7 +132,8 @@ func TestApplyReboot(t *testing.T) {
 	// Stopping takes long enough to see the change waiting for the reboot.
 	m, w, _ := worker(t, sim.Durations{Stop: 3 * time.Second})
 	ctx := timeout(t)
-	ch, err := m.Plan(ctx, parse(t, "machine:\n  env:\n    HTTP_PROXY: http://proxy:3128\n"))
+	patches := parse(t, "machine:\n  env:\n    HTTP_PROXY: http://proxy:3128\n")
+	ch, err := m.Plan(ctx, patches)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -148,7 +149,7 @@ func TestApplyReboot(t *testing.T) {
 	if err != nil || !res.Reboot {
 		t.Fatalf("apply: %+v, %v", res, err)
 	}
-	if s := state(t, m, ch); s != machineconfig.AwaitingReboot {
+	if s := state(t, m, patches, ch); s != machineconfig.AwaitingReboot {
 		t.Fatalf("after the apply: %s", s)
 	}
 	if err := m.Verify(ctx, ch.To); machineconfig.Reason(err) != machineconfig.ReasonNotActive {
@@ -164,7 +165,7 @@ func TestApplyReboot(t *testing.T) {
 	if err := m.Verify(ctx, ch.To); err != nil {
 		t.Fatal(err)
 	}
-	if s := state(t, m, ch); s != machineconfig.Applied {
+	if s := state(t, m, patches, ch); s != machineconfig.Applied {
 		t.Fatalf("after the reboot: %s", s)
 	}
 }
@@ -216,7 +217,8 @@ func TestApplyRefused(t *testing.T) {
 func TestDiverged(t *testing.T) {
 	m, _, _ := worker(t, sim.Durations{})
 	ctx := timeout(t)
-	mine, err := m.Plan(ctx, parse(t, `[{"op": "add", "path": "/machine/certSANs/-", "value": "10.9.9.9"}]`))
+	minePatches := parse(t, `[{"op": "add", "path": "/machine/certSANs/-", "value": "10.9.9.9"}]`)
+	mine, err := m.Plan(ctx, minePatches)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -227,7 +229,7 @@ func TestDiverged(t *testing.T) {
 	if _, err := m.Apply(ctx, theirs.Config, machineconfig.NoReboot); err != nil {
 		t.Fatal(err)
 	}
-	if s := state(t, m, mine); s != machineconfig.Diverged {
+	if s := state(t, m, minePatches, mine); s != machineconfig.Diverged {
 		t.Fatalf("after someone else's apply: %s", s)
 	}
 }

@@ -91,14 +91,18 @@ type Change struct {
 	From string
 	// To is the Fingerprint of the patched configuration.
 	To string
-	// Diff is what the patches change, "" when the machine already carries them.
-	Diff string
+	// Active is the configuration the patches were applied to.
+	Active config.Provider
 	// Config is the patched configuration.
 	Config config.Provider
 }
 
 // Applied reports whether the machine already carries the patches.
 func (c Change) Applied() bool { return c.From == c.To }
+
+// Diff is what the patches change, as Talos prints it ("" when the machine
+// already carries them).
+func (c Change) Diff() (string, error) { return Diff(c.Active, c.Config) }
 
 // Plan applies patches to the machine's active configuration.
 func (m Machine) Plan(ctx context.Context, patches []Patch) (Change, error) {
@@ -123,10 +127,7 @@ func PlanOn(active config.Provider, patches []Patch) (Change, error) {
 	if ch.To, err = Fingerprint(patched); err != nil {
 		return Change{}, err
 	}
-	if ch.Diff, err = Diff(active, patched); err != nil {
-		return Change{}, err
-	}
-	ch.Config = patched
+	ch.Active, ch.Config = active, patched
 	return ch, nil
 }
 
@@ -135,15 +136,16 @@ type State int
 
 // States of a change.
 const (
-	// NotApplied: the machine runs the configuration the change was planned on.
+	// NotApplied: the patches, applied to what the machine runs, still give
+	// the planned configuration, and the machine does not run it.
 	NotApplied State = iota
-	// Applied: the machine runs the changed configuration.
+	// Applied: the machine runs the planned configuration.
 	Applied
-	// AwaitingReboot: the changed configuration is persisted and becomes
+	// AwaitingReboot: the planned configuration is persisted and becomes
 	// active at the next boot (an apply in reboot mode was accepted).
 	AwaitingReboot
-	// Diverged: the machine runs neither; something else changed its
-	// configuration since the change was planned.
+	// Diverged: the patches no longer give the planned configuration:
+	// something else changed the machine's configuration since.
 	Diverged
 )
 
@@ -159,34 +161,33 @@ func (s State) String() string {
 	return "changed by someone else"
 }
 
-// StateOf tells where the change from the configuration fingerprinted from
-// to the one fingerprinted to stands on the machine, from its active and
-// persistent configurations. It is what makes an apply safe to rerun: only
-// NotApplied may be applied.
-func (m Machine) StateOf(ctx context.Context, from, to string) (State, error) {
-	active, err := m.Active(ctx)
+// StateOf tells where the change that patches make, planned to give the
+// configuration fingerprinted to, stands on the machine, from its active
+// and persistent configurations. It is what makes an apply safe to rerun,
+// even for a patch that appends to a list: only a NotApplied change may be
+// sent, and StateOf returns it, planned again on what the machine runs.
+func (m Machine) StateOf(ctx context.Context, patches []Patch, to string) (State, Change, error) {
+	ch, err := m.Plan(ctx, patches)
 	if err != nil {
-		return 0, err
+		return 0, Change{}, err
 	}
-	fp, err := Fingerprint(active)
-	if err != nil {
-		return 0, err
-	}
-	switch fp {
-	case to:
-		return Applied, nil
-	case from:
-	default:
-		return Diverged, nil
+	if ch.From == to {
+		return Applied, ch, nil
 	}
 	persistent, err := m.Persistent(ctx)
 	if err != nil {
-		return 0, err
+		return 0, Change{}, err
 	}
-	if pf, err := Fingerprint(persistent); err != nil || pf != to {
-		return NotApplied, err
+	pf, err := Fingerprint(persistent)
+	switch {
+	case err != nil:
+		return 0, Change{}, err
+	case pf == to:
+		return AwaitingReboot, ch, nil
+	case ch.To == to:
+		return NotApplied, ch, nil
 	}
-	return AwaitingReboot, nil
+	return Diverged, ch, nil
 }
 
 // Verify checks through COSI that the machine runs the configuration

@@ -170,15 +170,16 @@ func Encode(cfg config.Provider) ([]byte, error) {
 }
 
 // Fingerprint names a configuration's content: equal for two configurations
-// exactly when Diff finds nothing between them. It is short enough to keep
-// per machine in an operation's status.
+// exactly when Diff finds nothing between them (64 bits of its SHA-256:
+// short enough to keep per machine in an operation's status, long enough
+// that two configurations of a fleet never share one).
 func Fingerprint(cfg config.Provider) (string, error) {
 	b, err := Encode(cfg)
 	if err != nil {
 		return "", err
 	}
 	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:6]), nil
+	return hex.EncodeToString(sum[:8]), nil
 }
 
 // Diff is the difference between two configurations, as Talos prints it in

@@ -148,7 +148,7 @@ func TestPlanOn(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if ch.Applied() || ch.Diff == "" || ch.From == ch.To {
+			if diff, _ := ch.Diff(); ch.Applied() || diff == "" || ch.From == ch.To {
 				t.Fatalf("the change is empty: %+v", ch)
 			}
 			if from, _ := Fingerprint(tt.cfg); from != ch.From {
