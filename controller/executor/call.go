@@ -27,7 +27,16 @@ type call struct {
 	// status recorded the boot ID is it. Otherwise a new boot counts only
 	// after an earlier run may have made the call (a reset with reboot).
 	rebootsOnly bool
-	send        func(ctx context.Context, e *Env) error
+	// made, when set, reads from the machine whether the call was made, in
+	// place of its stage and boot ID (boot is the one just read): a
+	// configuration apply leaves the configuration it sent, persisted and
+	// then active, which says so exactly, where a reboot seen since may be
+	// anyone's. Made, out is the step's outcome; an error that is not "no
+	// answer" fails the step.
+	made func(ctx context.Context, e *Env, boot string) (bool, Outcome, error)
+	// send makes the call; its outcome's message, when set, replaces
+	// "<what> sent".
+	send func(ctx context.Context, e *Env) (Outcome, error)
 }
 
 // poll is how often a call looks at the machine again while it waits.
@@ -45,7 +54,8 @@ var disruptive = []runtime.MachineStage{
 // make makes the call at most once per step and attempt, deciding from
 // what the machine shows, never from silence:
 //   - in one of the call's stages, or booted again since status recorded
-//     its boot ID (see rebootsOnly): the call was made, by this run or an
+//     its boot ID (see rebootsOnly), or, for a call that says it (made),
+//     showing what the call leaves: the call was made, by this run or an
 //     earlier one; it is not made again;
 //   - answering in another disruptive stage: another sequence runs; wait
 //     for it to end;
@@ -64,19 +74,28 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 	var last error
 	for {
 		boot, stage, err := c.observe(ctx, e)
+		made, out := false, Outcome{}
+		if err == nil && c.made != nil {
+			made, out, err = c.made(ctx, e, boot)
+		}
+		var se *StepError
 		switch {
-		case err == nil && slices.Contains(c.stages, stage):
+		case made:
+			return out, nil
+		case err == nil && c.made == nil && slices.Contains(c.stages, stage):
 			return Outcome{Message: fmt.Sprintf("%s under way (stage %s)", c.what, stage)}, nil
-		case err == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && (c.rebootsOnly || maybeMade):
+		case err == nil && c.made == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && (c.rebootsOnly || maybeMade):
 			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil
 		case err == nil && slices.Contains(disruptive, stage):
 			last = fmt.Errorf("the machine is %s: another sequence runs on it", stage)
 		case err == nil:
-			err := c.sendChecked(ctx, e)
+			out, err := c.sendChecked(ctx, e)
 			if err == nil {
-				return Outcome{Message: c.what + " sent"}, nil
+				if out.Message == "" {
+					out.Message = c.what + " sent"
+				}
+				return out, nil
 			}
-			var se *StepError
 			if errors.As(err, &se) || !talos.Unreachable(err) {
 				return Outcome{}, err
 			}
@@ -87,6 +106,8 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 				return Outcome{Message: fmt.Sprintf("%s: the machine no longer answers since the call was made", c.what)}, nil
 			}
 			last = err
+		case errors.As(err, &se):
+			return Outcome{}, err
 		default:
 			return Outcome{}, fmt.Errorf("read the machine's state before the %s: %w", c.what, err)
 		}
@@ -109,20 +130,20 @@ func (c call) observe(ctx context.Context, e *Env) (string, runtime.MachineStage
 }
 
 // sendChecked makes the call; on a control plane the etcd health check
-// comes right before it, so nothing slow lies between the two.
-func (c call) sendChecked(ctx context.Context, e *Env) error {
+// comes right before it, so nothing slow lies between the two. A refusal
+// fails the step with the call's reason, unless send gave its own.
+func (c call) sendChecked(ctx context.Context, e *Env) (Outcome, error) {
 	if e.Machine.Role == ichorv1.RoleControlPlane {
 		if err := checkEtcd(ctx, e); err != nil {
-			return err
+			return Outcome{}, err
 		}
 	}
-	if err := c.send(ctx, e); err != nil {
-		if talos.Unreachable(err) {
-			return err
-		}
-		return Fail(c.reason, "%w", err)
+	out, err := c.send(ctx, e)
+	var se *StepError
+	if err != nil && !talos.Unreachable(err) && !errors.As(err, &se) {
+		return Outcome{}, Fail(c.reason, "%w", err)
 	}
-	return nil
+	return out, err
 }
 
 // again waits before the next look, unless the step's time would run out

@@ -180,19 +180,19 @@ func callStep(name string, timeout time.Duration, c call) Step {
 var (
 	nodeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
 		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
-		send: func(ctx context.Context, e *Env) error {
-			return talos.Reboot(ctx, e.Talos, e.Address, false)
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
+			return Outcome{}, talos.Reboot(ctx, e.Talos, e.Address, false)
 		}}
 	shutdown = call{what: "shutdown", reason: "ShutdownFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageShuttingDown},
-		send: func(ctx context.Context, e *Env) error {
-			return talos.Shutdown(ctx, e.Talos, e.Address, false)
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
+			return Outcome{}, talos.Shutdown(ctx, e.Talos, e.Address, false)
 		}}
 	reset = call{what: "reset", reason: "ResetFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageResetting},
-		send: func(ctx context.Context, e *Env) error {
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
 			graceful, reboot, wipe := resetOptions(e.Op.Spec.Node.Reset)
-			return talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe)
+			return Outcome{}, talos.Reset(ctx, e.Talos, e.Address, graceful, reboot, wipe)
 		}}
 )
 

@@ -183,16 +183,16 @@ var (
 	// kexec, rebooting after it.
 	legacyUpgrade = call{what: "upgrade", reason: "InstallFailed", rebootsOnly: true,
 		stages: []runtime.MachineStage{runtime.MachineStageUpgrading, runtime.MachineStageRebooting},
-		send: func(ctx context.Context, e *Env) error {
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
 			image, err := installerImage(ctx, e)
 			if err != nil {
-				return err
+				return Outcome{}, err
 			}
-			return talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle(e))
+			return Outcome{}, talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle(e))
 		}}
 	upgradeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
 		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
-		send: func(ctx context.Context, e *Env) error {
-			return talos.Reboot(ctx, e.Talos, e.Address, powercycle(e))
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
+			return Outcome{}, talos.Reboot(ctx, e.Talos, e.Address, powercycle(e))
 		}}
 )
