@@ -105,10 +105,12 @@ type MachineStatus struct {
 	// FinishedAt is when the machine succeeded, failed or was skipped.
 	// +optional
 	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
-	// From is the version the machine ran before the operation.
+	// From is the version the machine ran before the operation (kind
+	// config: the fingerprint of the configuration it ran).
 	// +optional
 	From string `json:"from,omitempty"`
-	// To is the version the machine runs once the operation is done with it.
+	// To is the version the machine runs once the operation is done with it
+	// (kind config: the fingerprint of the patched configuration).
 	// +optional
 	To string `json:"to,omitempty"`
 	// BootID is the boot ID recorded before a reboot, so that a restarted

@@ -66,7 +66,8 @@ type TalosOperationSpec struct {
 	// CNI moves Cilium to the chart this Ichor embeds, or switches the kube-proxy mode.
 	// +optional
 	CNI *CNIChange `json:"cni,omitempty"`
-	// Config rolls out machine-configuration changes that need a reboot.
+	// Config rolls out machine-configuration patches, rebooting only where
+	// needed in mode auto.
 	// +optional
 	Config *ConfigRollout `json:"config,omitempty"`
 	// Node is one action on one machine.
@@ -187,7 +188,9 @@ type CNIChange struct {
 // ConfigRollout is the block of kind config.
 type ConfigRollout struct {
 	// Patches are Talos machine-config patches, each a YAML strategic merge
-	// patch or an RFC 6902 JSON patch, applied in order.
+	// patch (one or more documents; $patch: delete removes one) or an RFC
+	// 6902 JSON patch (written as JSON or YAML, its paths in the v1alpha1
+	// document; the other documents are kept), applied in order.
 	// +required
 	// +kubebuilder:validation:MinItems=1
 	// +kubebuilder:validation:MaxItems=32

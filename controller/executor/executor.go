@@ -69,9 +69,10 @@ type Outcome struct {
 	Done bool
 	// Message replaces the machine's message.
 	Message string
-	// BootID and From, when set, are recorded on the machine.
+	// BootID, From and To, when set, are recorded on the machine.
 	BootID string
 	From   string
+	To     string
 	// Next names the step to go to instead of the following one.
 	Next string
 	// Recheck, from a Wait step that is not done, asks to be checked again
@@ -185,10 +186,11 @@ type Registry map[ichorv1.OperationKind]Executor
 // Default is the registry of the kinds this controller carries out.
 func Default() Registry {
 	return Registry{
-		ichorv1.KindTalos: TalosUpgrade{},
-		ichorv1.KindCNI:   CNIChange{},
-		ichorv1.KindIchor: IchorUpgrade{},
-		ichorv1.KindNode:  NodeAction{},
+		ichorv1.KindTalos:  TalosUpgrade{},
+		ichorv1.KindCNI:    CNIChange{},
+		ichorv1.KindIchor:  IchorUpgrade{},
+		ichorv1.KindConfig: NewConfigRollout(),
+		ichorv1.KindNode:   NodeAction{},
 	}
 }
 
@@ -201,6 +203,20 @@ func (r Registry) Kinds() []ichorv1.OperationKind {
 		}
 	}
 	return out
+}
+
+// Planner is implemented by executors that can say, before anything runs,
+// what the operation would do to each machine. While the operation has not
+// started, the driver calls Plan instead of Check and shows the plan as each
+// Pending machine's message, so that an operation created paused can be
+// reviewed before it is resumed.
+type Planner interface {
+	// Plan says in a few words what the operation would do to the machine
+	// ("plan: changes, needs a reboot"), and the kind's refusals as Check
+	// returns them but without the machine's name: the driver names the
+	// machines, once per refusal. It may read the Talos API; it changes
+	// nothing.
+	Plan(ctx context.Context, e *Env) (plan string, refusals []string)
 }
 
 // LockIdentifier is implemented by executors whose operations take the

@@ -89,41 +89,77 @@ func BenchmarkUpgradeSchedule(b *testing.B) {
 	// here) is what the ratio measures.
 	d := sim.Durations{ImagePull: 500 * time.Millisecond, Install: 1500 * time.Millisecond,
 		Stop: 500 * time.Millisecond, Reboot: 5 * time.Second}
-	perMachine := d.ImagePull + d.Install + d.Stop + d.Reboot
-	ideal := time.Duration(3+(workers+maxUnavailable-1)/maxUnavailable) * perMachine
-	for i := 0; i < b.N; i++ {
-		spec := sim.Cluster("", 3, workers)
-		spec.Durations = d
-		for j := range spec.Machines {
-			spec.Machines[j].Talos = "v1.13.2"
+	spec := sim.Cluster("", 3, workers)
+	spec.Durations = d
+	for j := range spec.Machines {
+		spec.Machines[j].Talos = "v1.13.2"
+	}
+	op := talosSpec("v1.13.7")
+	op.MaxUnavailable = maxUnavailable
+	benchSchedule(b, spec, op, d.ImagePull+d.Install+d.Stop+d.Reboot, nil)
+}
+
+// BenchmarkConfigSchedule: a config rollout (machine.env, so every machine
+// reboots) of 3 control planes and 30 workers, reported as
+// BenchmarkUpgradeSchedule is.
+func BenchmarkConfigSchedule(b *testing.B) {
+	const workers, maxUnavailable = 30, 5
+	d := sim.Durations{Stop: 500 * time.Millisecond, Reboot: 5 * time.Second}
+	spec := sim.Cluster("", 3, workers)
+	spec.Durations = d
+	op := configSpec(ichorv1.ConfigModeAuto, "machine:\n  env:\n    HTTP_PROXY: http://proxy.internal:3128\n")
+	op.MaxUnavailable = maxUnavailable
+	// Every machine rebooted: count the steps of that path (a machine that
+	// is done no longer records the boot ID that selects it).
+	rebooted := func(m ichorv1.MachineStatus) ichorv1.MachineStatus { m.BootID = "before"; return m }
+	benchSchedule(b, spec, op, d.Stop+d.Reboot, rebooted)
+}
+
+// benchSchedule runs op over a fresh fleet of spec b.N times and reports its
+// wall time, from Running to Succeeded, over the ideal schedule (control
+// planes one after another, workers in batches of maxUnavailable, each
+// machine taking perMachine), and its status writes per machine step (the
+// steps of each machine as path, when set, says they were).
+func benchSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, perMachine time.Duration, path func(ichorv1.MachineStatus) ichorv1.MachineStatus) {
+	cps, workers := 0, 0
+	for _, m := range spec.Machines {
+		if m.Role == sim.ControlPlane {
+			cps++
+		} else {
+			workers++
 		}
+	}
+	batch := int(op.MaxUnavailable)
+	ideal := time.Duration(cps+(workers+batch-1)/batch) * perMachine
+	for i := 0; i < b.N; i++ {
 		c := newCluster(b, spec)
 		c.start()
 		w := watchOps(b, c.ns)
-		op := talosSpec("v1.13.7")
-		op.MaxUnavailable = maxUnavailable
-		c.create("upgrade", op)
+		c.create("bench", op)
 		// From the moment it runs: the controller's own start-up is not the schedule's.
-		start := w.until(b, "upgrade", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		start := w.until(b, "bench", time.Minute, func(op *ichorv1.TalosOperation) bool {
 			return op.Status.Phase == ichorv1.PhaseRunning
 		})
-		end := w.until(b, "upgrade", 5*time.Minute, func(op *ichorv1.TalosOperation) bool {
+		end := w.until(b, "bench", 5*time.Minute, func(op *ichorv1.TalosOperation) bool {
 			if op.Failed() {
 				b.Fatalf("failed: %s", op.Status.Message)
 			}
 			return op.Succeeded()
 		})
 		wall := end.Sub(start)
-		got := c.get("upgrade")
+		got := c.get("bench")
 		steps := 0
 		for _, m := range got.Status.Machines {
-			steps += len(executor.Default()[ichorv1.KindTalos].Steps(got, &m))
+			if path != nil {
+				m = path(m)
+			}
+			steps += len(executor.Default()[op.Kind].Steps(got, &m))
 		}
 		b.ReportMetric(wall.Seconds()/ideal.Seconds(), "wall/ideal")
-		b.ReportMetric(float64(w.writes["upgrade"])/float64(steps), "writes/step")
-		b.Logf("wall %s, ideal %s: ratio %.3f (budget %.2f); %d status writes over %d machine steps: %.2f per step (budget %.0f)",
-			wall.Round(time.Millisecond), ideal, wall.Seconds()/ideal.Seconds(), wallBudget, w.writes["upgrade"], steps,
-			float64(w.writes["upgrade"])/float64(steps), writesBudget)
+		b.ReportMetric(float64(w.writes["bench"])/float64(steps), "writes/step")
+		b.Logf("%s: wall %s, ideal %s: ratio %.3f (budget %.2f); %d status writes over %d machine steps: %.2f per step (budget %.0f)",
+			op.Kind, wall.Round(time.Millisecond), ideal, wall.Seconds()/ideal.Seconds(), wallBudget, w.writes["bench"], steps,
+			float64(w.writes["bench"])/float64(steps), writesBudget)
 	}
 }
 

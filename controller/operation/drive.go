@@ -45,6 +45,9 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	if out.From != "" {
 		m.From = out.From
 	}
+	if out.To != "" {
+		m.To = out.To
+	}
 	if out.BootID != "" {
 		m.BootID = out.BootID
 	}

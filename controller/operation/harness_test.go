@@ -146,9 +146,20 @@ type counting struct {
 func countingRegistry(r executor.Registry, steps *stepCounter) executor.Registry {
 	out := executor.Registry{}
 	for k, e := range r {
+		if _, ok := e.(executor.Planner); ok {
+			out[k] = countingPlanner{counting{e, steps}}
+			continue
+		}
 		out[k] = counting{e, steps}
 	}
 	return out
+}
+
+// countingPlanner is counting for an executor that is a Planner.
+type countingPlanner struct{ counting }
+
+func (c countingPlanner) Plan(ctx context.Context, e *executor.Env) (string, []string) {
+	return c.Executor.(executor.Planner).Plan(ctx, e)
 }
 
 func (c counting) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []executor.Step {

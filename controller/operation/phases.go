@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -73,17 +74,7 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 		return false, err
 	}
 	failures := preflight.Check(op.Spec, facts, t.r.Compat)
-	var actions []string
-	for _, m := range op.Status.Machines {
-		if m.Phase != ichorv1.MachineSkipped {
-			// The checks see the machines this turn put in scope, which the
-			// persisted status of a new operation does not hold yet.
-			env := t.env(m)
-			env.Op = op
-			actions = append(actions, t.exec.Check(ctx, env)...)
-		}
-	}
-	if len(actions) > 0 {
+	if actions := t.kindChecks(ctx); len(actions) > 0 {
 		failures = append(failures, preflight.Failure{Check: CheckActionAllowed, Message: strings.Join(actions, "; ")})
 	}
 	if len(failures) == 0 {
@@ -105,6 +96,69 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 	t.refuse(failures)
 	return false, nil
 }
+
+// kindChecks runs the kind's own checks on every machine in scope, a few
+// machines at a time, and returns the refusals, each once. A Planner's plan
+// becomes each Pending machine's message.
+func (t *turn) kindChecks(ctx context.Context) []string {
+	ms := t.op.Status.Machines
+	planner, _ := t.exec.(executor.Planner)
+	plans, refusals := make([]string, len(ms)), make([][]string, len(ms))
+	var wg sync.WaitGroup
+	slots := make(chan struct{}, kindCheckers)
+	for i := range ms {
+		if ms[i].Phase == ichorv1.MachineSkipped {
+			continue
+		}
+		// The checks see the machines this turn put in scope, which the
+		// persisted status of a new operation does not hold yet.
+		env := t.env(ms[i])
+		env.Op = t.op
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			if planner != nil {
+				plans[i], refusals[i] = planner.Plan(ctx, env)
+			} else {
+				refusals[i] = t.exec.Check(ctx, env)
+			}
+		})
+	}
+	wg.Wait()
+	// Each refusal once; a Planner's name no machine, so they say which.
+	var out []string
+	machines := map[string][]string{}
+	for i := range ms {
+		if planner != nil && ms[i].Phase == ichorv1.MachinePending {
+			ms[i].Message = plans[i]
+		}
+		for _, r := range refusals[i] {
+			if _, seen := machines[r]; !seen {
+				out = append(out, r)
+			}
+			machines[r] = append(machines[r], ms[i].Name)
+		}
+	}
+	if planner != nil {
+		for i, r := range out {
+			out[i] = machineList(machines[r]) + ": " + r
+		}
+	}
+	return out
+}
+
+// machineList names machines, the first few of a long list.
+func machineList(names []string) string {
+	const shown = 5
+	if len(names) <= shown {
+		return strings.Join(names, ", ")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(names[:shown], ", "), len(names)-shown)
+}
+
+// kindCheckers bounds the machines checked at once: each check may make
+// Talos API calls.
+const kindCheckers = 16
 
 // reconcileStopped acts on a retry request and runs the phase of an
 // operation that does not advance this turn (a failed step, an operator's

@@ -1,0 +1,366 @@
+package operation_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/siderolabs/talos/pkg/machinery/client"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	ctrlclient "sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/machineconfig"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+func configSpec(mode ichorv1.ConfigMode, patches ...string) ichorv1.TalosOperationSpec {
+	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindConfig, Config: &ichorv1.ConfigRollout{Patches: patches, Mode: mode}}
+}
+
+const zoneLabel = "machine:\n  nodeLabels:\n    ichor.test/zone: a\n"
+
+// reboots counts the reboots the recorder saw on a machine.
+func reboots(rec *sim.Recorder, machine string) int {
+	n := 0
+	for _, a := range rec.Actions(machine) {
+		if a.Kind == sim.ActionReboot {
+			n++
+		}
+	}
+	return n
+}
+
+func bootIDs(f *sim.Fleet) map[string]string {
+	ids := map[string]string{}
+	for _, m := range f.Machines() {
+		ids[m.Name()] = m.BootID()
+	}
+	return ids
+}
+
+func fingerprints(t *testing.T, f *sim.Fleet) map[string]string {
+	t.Helper()
+	fps := map[string]string{}
+	for _, m := range f.Machines() {
+		fp, err := machineconfig.Fingerprint(m.Config())
+		if err != nil {
+			t.Fatal(err)
+		}
+		fps[m.Name()] = fp
+	}
+	return fps
+}
+
+func machineMessages(op *ichorv1.TalosOperation) map[string]string {
+	out := map[string]string{}
+	for _, m := range op.Status.Machines {
+		out[m.Name] = m.Message
+	}
+	return out
+}
+
+// TestConfigLabelLive: a patch that adds a node label, in mode auto,
+// reaches every machine without a single reboot, and the label is on every
+// Node.
+func TestConfigLabelLive(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 3, 3))
+	before := bootIDs(c.fleet)
+	c.start()
+	op := configSpec(ichorv1.ConfigModeAuto, zoneLabel)
+	op.MaxUnavailable = 2
+	c.create("label", op)
+	got := c.waitSucceeded("label", 2*time.Minute)
+	if got.Status.Target != "config (1 patch, auto)" {
+		t.Errorf("target %q", got.Status.Target)
+	}
+	for name, msg := range machineMessages(got) {
+		if msg != "applied live" {
+			t.Errorf("%s: %q, want applied live", name, msg)
+		}
+	}
+	rec := c.fleet.Recorder()
+	for _, m := range c.fleet.Machines() {
+		if m.BootID() != before[m.Name()] || reboots(rec, m.Name()) != 0 {
+			t.Errorf("%s rebooted", m.Name())
+		}
+		if m.Config().Machine().NodeLabels()["ichor.test/zone"] != "a" {
+			t.Errorf("%s: the label is not in the active configuration", m.Name())
+		}
+	}
+	testenv.Eventually(t, 30*time.Second, "the label on every Node", func(ctx context.Context) (bool, error) {
+		for _, m := range c.fleet.Machines() {
+			n := &corev1.Node{}
+			if err := env.Client.Get(ctx, keyOfNode(m.Name()), n); err != nil || n.Labels["ichor.test/zone"] != "a" || n.Spec.Unschedulable {
+				return false, err
+			}
+		}
+		return true, nil
+	})
+}
+
+// TestConfigRebootAuto: a patch of machine.env in mode auto reboots every
+// machine exactly once, drained first: control planes one at a time before
+// any worker, workers within maxUnavailable.
+func TestConfigRebootAuto(t *testing.T) {
+	spec := sim.Cluster("", 3, 4)
+	// Long enough that the two workers of a batch are down together.
+	spec.Durations.Reboot = 300 * time.Millisecond
+	c := newCluster(t, spec)
+	c.start()
+	op := configSpec(ichorv1.ConfigModeAuto, "machine:\n  env:\n    HTTP_PROXY: http://proxy.internal:3128\n")
+	op.MaxUnavailable = 2
+	c.create("env", op)
+	got := c.waitSucceeded("env", 3*time.Minute)
+
+	rec := c.fleet.Recorder()
+	if cps, workers := rec.MaxDown(); cps != 1 || workers != 2 {
+		t.Errorf("at most 1 control plane and 2 workers down at once; got %d and %d", cps, workers)
+	}
+	var lastCP, firstWorker time.Time
+	for _, m := range c.fleet.Machines() {
+		if n := reboots(rec, m.Name()); n != 1 {
+			t.Errorf("%s rebooted %d times, want once", m.Name(), n)
+		}
+		if m.Config().Machine().Env()["HTTP_PROXY"] != "http://proxy.internal:3128" {
+			t.Errorf("%s: machine.env not active", m.Name())
+		}
+		for _, a := range rec.Actions(m.Name()) {
+			if m.Role() == sim.ControlPlane && a.End.After(lastCP) {
+				lastCP = a.End
+			}
+			if m.Role() == sim.Worker && (firstWorker.IsZero() || a.Start.Before(firstWorker)) {
+				firstWorker = a.Start
+			}
+		}
+	}
+	if !lastCP.Before(firstWorker) {
+		t.Errorf("a worker rebooted at %s, before the last control plane was back at %s", firstWorker, lastCP)
+	}
+	if o := rec.Overlaps(sim.ActionReboot); slices.ContainsFunc(o, func(o sim.Overlap) bool {
+		return c.fleet.Machine(o.A.Machine).Role() == sim.ControlPlane || c.fleet.Machine(o.B.Machine).Role() == sim.ControlPlane
+	}) {
+		t.Errorf("a control plane rebooted together with another machine: %v", o)
+	}
+	for name, msg := range machineMessages(got) {
+		if msg != "applied, rebooted" {
+			t.Errorf("%s: %q, want applied, rebooted", name, msg)
+		}
+	}
+	nodes := &corev1.NodeList{}
+	if err := env.Client.List(context.Background(), nodes); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range nodes.Items {
+		if n.Spec.Unschedulable {
+			t.Errorf("%s left cordoned", n.Name)
+		}
+	}
+}
+
+// TestConfigRefused: a patch that does not validate refuses the operation,
+// naming the machine and quoting Talos; no machine's configuration changed.
+// A patch that does not apply to a machine's configuration is refused too.
+func TestConfigRefused(t *testing.T) {
+	tests := []struct {
+		name, patch, reason, quote string
+	}{
+		{"does not validate", "machine:\n  kubelet:\n    image: ghcr.io/siderolabs/kubelet:v1.40.0\n",
+			"Talos does not accept the patched configuration", `Talos says "1 error occurred:\n\t* kubelet image is not valid`},
+		{"does not apply", `[{"op": "replace", "path": "/machine/nope/x", "value": "x"}]`,
+			"patch 1 does not apply", "missing value"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 2))
+			before := fingerprints(t, c.fleet)
+			c.start()
+			c.create("bad", configSpec(ichorv1.ConfigModeAuto, tt.patch))
+			got := c.waitFor("bad", "to be refused", time.Minute, func(op *ichorv1.TalosOperation) bool { return op.Refused() })
+			cond := meta.FindStatusCondition(got.Status.Conditions, "ActionAllowed")
+			if cond == nil || cond.Status != metav1.ConditionFalse {
+				t.Fatalf("conditions %+v", got.Status.Conditions)
+			}
+			var names []string
+			for _, m := range c.fleet.Machines() {
+				names = append(names, m.Name())
+			}
+			if want := strings.Join(names, ", ") + ": " + tt.reason; !strings.Contains(cond.Message, want) {
+				t.Errorf("the refusal does not name the machines (%q): %s", want, cond.Message)
+			}
+			if !strings.Contains(cond.Message, tt.quote) {
+				t.Errorf("the refusal does not quote Talos (%q): %s", tt.quote, cond.Message)
+			}
+			if after := fingerprints(t, c.fleet); !equalMaps(before, after) {
+				t.Errorf("a machine's configuration changed: %v -> %v", before, after)
+			}
+			if got.Status.Lock != "" {
+				t.Errorf("a refused operation took the lock: %s", got.Status.Lock)
+			}
+		})
+	}
+}
+
+func equalMaps(a, b map[string]string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// TestConfigPausedPlan: an operation created paused shows per machine
+// whether the patches change its configuration and whether that needs a
+// reboot, with nothing applied; resumed, it does what it showed.
+func TestConfigPausedPlan(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	cp, w1, w2 := c.fleet.Machines()[0], c.fleet.Machines()[1], c.fleet.Machines()[2]
+	const env1 = "machine:\n  env:\n    HTTP_PROXY: http://proxy.internal:3128\n"
+	// w1 carries machine.env already, cp the whole change; w2 nothing.
+	applyDirect(t, c.fleet, w1, machineconfig.Reboot, env1)
+	applyDirect(t, c.fleet, cp, machineconfig.Reboot, env1, zoneLabel)
+	before, fps := bootIDs(c.fleet), fingerprints(t, c.fleet)
+	c.start()
+	op := configSpec(ichorv1.ConfigModeAuto, env1, zoneLabel)
+	op.Paused = true
+	c.create("plan", op)
+	want := map[string]string{cp.Name(): "plan: no change", w1.Name(): "plan: changes, applies live", w2.Name(): "plan: changes, needs a reboot"}
+	c.waitFor("plan", "to show its plan", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return equalMaps(machineMessages(op), want) && op.Status.Reason == ichorv1.ReasonPausedByOperator
+	})
+	if after := fingerprints(t, c.fleet); !equalMaps(fps, after) {
+		t.Fatalf("a paused operation changed a configuration: %v -> %v", fps, after)
+	}
+	c.patchSpec("plan", `{"paused":false}`)
+	got := c.waitSucceeded("plan", 2*time.Minute)
+	want = map[string]string{cp.Name(): "already applied", w1.Name(): "applied live", w2.Name(): "applied, rebooted"}
+	if msgs := machineMessages(got); !equalMaps(msgs, want) {
+		t.Errorf("messages %v, want %v", msgs, want)
+	}
+	rec := c.fleet.Recorder()
+	for _, m := range []*sim.Machine{cp, w1} {
+		if m.BootID() != before[m.Name()] {
+			t.Errorf("%s rebooted", m.Name())
+		}
+	}
+	if w2.BootID() == before[w2.Name()] || reboots(rec, w2.Name()) != 1 {
+		t.Errorf("%s: %d reboots", w2.Name(), reboots(rec, w2.Name()))
+	}
+}
+
+// applyDirect applies patches to a machine with the Talos API, as an
+// operator with talosctl would, and waits until it runs them.
+func applyDirect(t *testing.T, f *sim.Fleet, m *sim.Machine, mode machineconfig.Mode, patches ...string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	tc, err := client.New(ctx, client.WithConfig(f.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close() //nolint:errcheck
+	ps, err := machineconfig.ParsePatches(patches)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mc := machineconfig.Machine{Talos: tc, Node: m.Address()}
+	ch, err := mc.Plan(ctx, ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := mc.Apply(ctx, ch.Config, mode); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, m.Name()+" running the applied configuration", func(context.Context) (bool, error) {
+		fp, err := machineconfig.Fingerprint(m.Config())
+		return !m.Down() && fp == ch.To, err
+	})
+}
+
+// TestConfigKilledAfterApply kills the controller right after each
+// machine's apply, before status records it, and starts a new one: the
+// patch appends to a list, so an apply made twice would show twice, and a
+// reboot made twice would be counted. Neither happens.
+func TestConfigKilledAfterApply(t *testing.T) {
+	const san = `[{"op": "add", "path": "/machine/certSANs/-", "value": "config.ichor.test"}]`
+	for _, tt := range []struct {
+		mode    ichorv1.ConfigMode
+		reboots int
+	}{{ichorv1.ConfigModeAuto, 0}, {ichorv1.ConfigModeReboot, 1}} {
+		t.Run(string(tt.mode), func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 2))
+			c.create("san", configSpec(tt.mode, san))
+			var mu sync.Mutex
+			killed := map[string]bool{}
+			var kills atomic.Int32
+			for restarts := 0; ; restarts++ {
+				if restarts > 10 {
+					t.Fatal("still not done after 10 controllers")
+				}
+				var ctl atomic.Pointer[testcluster.Controller]
+				gone := make(chan struct{})
+				hook := func(s operation.StepRun) {
+					mu.Lock()
+					defer mu.Unlock()
+					if s.Step != executor.StepApply || s.Err != nil || killed[s.Machine] {
+						return
+					}
+					killed[s.Machine] = true
+					kills.Add(1)
+					ctl.Load().Kill()
+					close(gone)
+				}
+				ctl.Store(testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}))
+				done := false
+				testenv.Eventually(t, 2*time.Minute, "the controller killed after an apply, or the operation done", func(ctx context.Context) (bool, error) {
+					select {
+					case <-gone:
+						return true, nil
+					default:
+					}
+					op := &ichorv1.TalosOperation{}
+					if err := env.Client.Get(ctx, ctrlclient.ObjectKey{Namespace: c.ns, Name: "san"}, op); err != nil {
+						return false, err
+					}
+					if op.Failed() {
+						t.Fatalf("failed: %s: %s", op.Status.FailureReason, op.Status.Message)
+					}
+					done = op.Succeeded()
+					return done, nil
+				})
+				ctl.Load().Stop()
+				if done {
+					break
+				}
+			}
+			if n := int(kills.Load()); n != len(c.fleet.Machines()) {
+				t.Errorf("%d kills, want one per machine", n)
+			}
+			rec := c.fleet.Recorder()
+			for _, m := range c.fleet.Machines() {
+				sans := m.Config().Machine().Security().CertSANs()
+				if n := strings.Count(strings.Join(sans, ","), "config.ichor.test"); n != 1 {
+					t.Errorf("%s: certSANs %v: the patch was applied %d times", m.Name(), sans, n)
+				}
+				if n := reboots(rec, m.Name()); n != tt.reboots {
+					t.Errorf("%s rebooted %d times, want %d", m.Name(), n, tt.reboots)
+				}
+			}
+		})
+	}
+}
