@@ -45,7 +45,10 @@ func ParsePatches(texts []string) ([]Patch, error) {
 		}
 		p, err := configpatcher.LoadPatch([]byte(text))
 		if err != nil {
-			return nil, fmt.Errorf("%s is neither a strategic merge patch nor an RFC 6902 JSON patch: %w", name, err)
+			// configpatcher decodes a strategic merge patch as a machine
+			// configuration: an unknown field or a value of the wrong type
+			// is refused here, for every machine alike.
+			return nil, fmt.Errorf("%s is not a machine-configuration patch (a YAML strategic merge patch of known fields, or an RFC 6902 JSON patch): %w; fix it, then create a new operation", name, err)
 		}
 		out = append(out, Patch{name: name, patch: p})
 	}
@@ -170,16 +173,17 @@ func Encode(cfg config.Provider) ([]byte, error) {
 }
 
 // Fingerprint names a configuration's content: equal for two configurations
-// exactly when Diff finds nothing between them (64 bits of its SHA-256:
-// short enough to keep per machine in an operation's status, long enough
-// that two configurations of a fleet never share one).
+// exactly when Diff finds nothing between them. It is 32 bits of its
+// SHA-256: a machine's status of 5,000 must stay under 1 MiB, and a
+// fingerprint is only ever compared with those of the same machine's
+// configurations, where a false match is one in four billion.
 func Fingerprint(cfg config.Provider) (string, error) {
 	b, err := Encode(cfg)
 	if err != nil {
 		return "", err
 	}
 	sum := sha256.Sum256(b)
-	return hex.EncodeToString(sum[:8]), nil
+	return hex.EncodeToString(sum[:4]), nil
 }
 
 // Diff is the difference between two configurations, as Talos prints it in

@@ -70,9 +70,11 @@ func TestParsePatches(t *testing.T) {
 		{name: "JSON patch as JSON", text: `[{"op": "add", "path": "/machine/nodeLabels", "value": {"zone": "a"}}]`},
 		{name: "JSON patch as YAML", text: "- op: add\n  path: /machine/env\n  value: {A: b}\n"},
 		{name: "empty", text: " \n", err: "patch 1 is empty"},
-		{name: "not YAML", text: "machine: [nodeLabels", err: "patch 1 is neither"},
-		{name: "a file name is not read", text: "/etc/hostname", err: "patch 1 is neither"},
-		{name: "not a patch", text: "just words here", err: "patch 1 is neither"},
+		{name: "not YAML", text: "machine: [nodeLabels", err: "patch 1 is not a machine-configuration patch"},
+		{name: "a file name is not read", text: "/etc/hostname", err: "patch 1 is not a machine-configuration patch"},
+		{name: "not a patch", text: "just words here", err: "patch 1 is not a machine-configuration patch"},
+		{name: "an unknown field", text: "machine:\n  nodeLabelz:\n    zone: a\n", err: "unknown keys found during decoding"},
+		{name: "a value of the wrong type", text: "machine:\n  env: 3\n", err: "cannot construct !!int `3` into map[string]string"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
