@@ -553,8 +553,16 @@ func TestApplyConfiguration(t *testing.T) {
 	if err != nil || !strings.Contains(resp.Messages[0].ModeDetails, "Dry run") {
 		t.Fatalf("dry run: %v, %v", resp, err)
 	}
-	if w.KubeletVersion() != "1.35.0" {
-		t.Fatal("a refused or dry-run apply changed the kubelet")
+	// A mode Talos does not know: a dry run answers as for REBOOT, an apply is refused.
+	unknown := machine.ApplyConfigurationRequest_Mode(7)
+	resp, err = c.ApplyConfiguration(nctx, &machine.ApplyConfigurationRequest{Data: patch(env), Mode: unknown, DryRun: true})
+	if err != nil || !strings.Contains(resp.Messages[0].ModeDetails, "Applied configuration with a reboot (skipped in dry-run)") {
+		t.Fatalf("dry run in an unknown mode: %v, %v", resp, err)
+	}
+	_, err = apply(patch(env), unknown, 0)
+	wantCode(t, err, codes.Unknown, "incorrect mode '7' specified for the apply config call")
+	if w.KubeletVersion() != "1.35.0" || w.Config().Machine().Env()["SIM"] != "" {
+		t.Fatal("a refused or dry-run apply changed the configuration")
 	}
 
 	// NO_REBOOT: live, the kubelet restarts and reports its new version.

@@ -469,10 +469,9 @@ func (s *machined) ApplyConfiguration(ctx context.Context, in *machine.ApplyConf
 		} else {
 			mode, details = machine.ApplyConfigurationRequest_NO_REBOOT, "Applied configuration without a reboot"
 		}
-	case machine.ApplyConfigurationRequest_REBOOT:
-	default:
-		return nil, fmt.Errorf("incorrect mode '%s' specified for the apply config call", in.Mode)
 	}
+	// As Talos, a mode it does not know is refused only once a dry run is
+	// over: a dry run answers for it like for REBOOT.
 	if in.DryRun {
 		diff, err := configdiff.DiffConfigs(current, cfg)
 		if err != nil {
@@ -508,6 +507,8 @@ func (s *machined) ApplyConfiguration(ctx context.Context, in *machine.ApplyConf
 		m.put(configResource(cfg, true))
 		actor := uuid.NewString()
 		m.startSequence("reboot", true, func(c context.Context) { m.reboot(c, actor) })
+	default:
+		return nil, fmt.Errorf("incorrect mode '%s' specified for the apply config call", in.Mode)
 	}
 	return &machine.ApplyConfigurationResponse{Messages: []*machine.ApplyConfiguration{{
 		Mode:        mode,
