@@ -105,8 +105,8 @@ type MachineStatus struct {
 	// FinishedAt is when the machine succeeded, failed or was skipped.
 	// +optional
 	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
-	// From is the version the machine ran before the operation (kind
-	// config: the fingerprint of the configuration it ran).
+	// From is the version the machine ran before the operation, for the
+	// kinds and steps that record it.
 	// +optional
 	From string `json:"from,omitempty"`
 	// To is the version the machine runs once the operation is done with it

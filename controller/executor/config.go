@@ -38,11 +38,12 @@ const (
 // Talos's dry run validates the result and says whether it applies live),
 // the etcd check on control planes, cordon and drain only when a reboot
 // follows, apply, wait for the reboot when there is one, verify that the
-// machine runs the patched configuration and uncordon it. The fingerprints of the
-// configuration before and after are the machine's from and to: an apply
-// is sent only while the machine runs the one it was planned on, so a
-// controller killed between the apply and its status write applies nothing
-// twice. In mode auto the machines that need no reboot are applied live.
+// machine runs the patched configuration and uncordon it. The fingerprint
+// of the patched configuration is the machine's to: an apply is sent only
+// while the patches, applied to what the machine runs, still give it and
+// the machine neither runs it nor has it persisted, so a controller killed
+// between the apply and its status write applies nothing twice. In mode
+// auto the machines that need no reboot are applied live.
 type ConfigRollout struct {
 	// plans caches the preflight's verdict per machine: preflight runs on
 	// every turn of an operation that waits, and each verdict costs two Talos
@@ -181,9 +182,9 @@ func configInspectStep() Step {
 			return Outcome{}, configFail(err)
 		}
 		if ch.Applied() {
-			return Outcome{Done: true, From: ch.From, To: ch.To, Message: msgAlreadyApplied}, nil
+			return Outcome{Done: true, To: ch.To, Message: msgAlreadyApplied}, nil
 		}
-		out := Outcome{From: ch.From, To: ch.To, Message: "applies live"}
+		out := Outcome{To: ch.To, Message: "applies live"}
 		if reboot {
 			if err := untilAnswers(ctx, func() (err error) {
 				out.BootID, err = talos.BootID(ctx, e.Talos, e.Address)

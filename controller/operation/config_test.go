@@ -171,7 +171,8 @@ func TestConfigRebootAuto(t *testing.T) {
 
 // TestConfigRefused: a patch that does not validate refuses the operation,
 // naming the machine and quoting Talos; no machine's configuration changed.
-// A patch that does not apply to a machine's configuration is refused too.
+// A patch that does not apply to a machine's configuration, or names a
+// field Talos does not know, is refused too.
 func TestConfigRefused(t *testing.T) {
 	tests := []struct {
 		name, patch, reason, quote string
@@ -180,6 +181,10 @@ func TestConfigRefused(t *testing.T) {
 			"Talos does not accept the patched configuration", `Talos says "1 error occurred:\n\t* kubelet image is not valid`},
 		{"does not apply", `[{"op": "replace", "path": "/machine/nope/x", "value": "x"}]`,
 			"patch 1 does not apply", "missing value"},
+		{"an unknown field", "machine:\n  nodeLabelz:\n    ichor.test/zone: a\n",
+			"spec.config.patches: patch 1 is not a machine-configuration patch", "unknown keys found during decoding"},
+		{"an unknown field through a JSON patch", `[{"op": "add", "path": "/machine/nodeLabelz", "value": {"a": "b"}}]`,
+			"patch 1 does not apply", "unknown keys found during decoding"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -362,5 +367,41 @@ func TestConfigKilledAfterApply(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestConfigChangedMidway: someone else changes the machine's configuration
+// while it is drained for the apply. The apply is not sent: the step fails
+// with ConfigChanged, saying so, and none of the patches reaches the
+// machine. A retry inspects it again and applies them, once, on top of
+// what it runs then.
+func TestConfigChangedMidway(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	release := c.holdDrain(w.Name())
+	c.start()
+	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
+	c.create("zone", op)
+	c.atStep("zone", executor.StepDrain)
+	const other = "machine:\n  nodeLabels:\n    ichor.test/other: b\n"
+	applyDirect(t, c.fleet, w, machineconfig.NoReboot, other)
+	release()
+	got := c.waitFailed("zone", machineconfig.ReasonDiverged)
+	// The step a retry begins with is inspect.
+	if m := got.Status.Machines[0]; m.Step != executor.StepInspect || !strings.Contains(m.Message, "someone else applied one; a retry inspects the machine again") {
+		t.Errorf("failed with step %s next: %q", m.Step, m.Message)
+	}
+	rec := c.fleet.Recorder()
+	if w.Config().Machine().NodeLabels()["ichor.test/zone"] != "" || reboots(rec, w.Name()) != 0 {
+		t.Fatalf("the apply was sent over someone else's change: labels %v, %d reboots", w.Config().Machine().NodeLabels(), reboots(rec, w.Name()))
+	}
+	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
+	got = c.waitSucceeded("zone", 2*time.Minute)
+	if labels := w.Config().Machine().NodeLabels(); labels["ichor.test/zone"] != "a" || labels["ichor.test/other"] != "b" {
+		t.Errorf("labels after the retry: %v", labels)
+	}
+	if n := reboots(rec, w.Name()); n != 1 || got.Status.Machines[0].Message != "applied, rebooted" {
+		t.Errorf("%d reboots, message %q", n, got.Status.Machines[0].Message)
 	}
 }

@@ -140,12 +140,19 @@ func (t *turn) plan() error {
 		}
 		return errors.New("the cluster has no Nodes")
 	}
+	summary, to := t.exec.Target(op)
 	ms := make([]plan.Machine, 0, len(inScope))
 	for i := range inScope {
 		n := &inScope[i]
-		ms = append(ms, plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations, Version: machine.TalosVersion(n)})
+		m := plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations}
+		// From is a version only for kinds that move machines to one; the
+		// others leave it to their steps (a config rollout keeps status
+		// small: only the fingerprint it applies, in To).
+		if to != "" {
+			m.Version = machine.TalosVersion(n)
+		}
+		ms = append(ms, m)
 	}
-	summary, to := t.exec.Target(op)
 	op.Status.Target = summary
 	op.Status.Machines = plan.Initial(ms, to, t.exec.HonourHold())
 	return nil

@@ -162,11 +162,11 @@ func configRollout() (planned, running *ichorv1.TalosOperation) {
 	st.Phase, st.Reason, st.Lock, st.Message, st.Progress, st.Current = ichorv1.PhaseRunning, "", ichorv1.LockHeld, "running", "2/4", "worker-1"
 	st.StartTime = ago(3 * time.Minute)
 	ms := st.Machines
-	ms[0] = ichorv1.MachineStatus{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, From: "3f2a9c1b", To: "7c1d0e2f",
+	ms[0] = ichorv1.MachineStatus{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, To: "7c1d0e2f",
 		StartedAt: ago(3 * time.Minute), FinishedAt: ago(170 * time.Second), Attempts: 1, Message: "applied live"}
-	ms[1] = ichorv1.MachineStatus{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, From: "7c1d0e2f", To: "7c1d0e2f",
+	ms[1] = ichorv1.MachineStatus{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, To: "7c1d0e2f",
 		StartedAt: ago(170 * time.Second), FinishedAt: ago(169 * time.Second), Attempts: 1, Message: "already applied"}
-	ms[2] = ichorv1.MachineStatus{Name: "worker-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "wait-rebooted", From: "0b6e44a1", To: "e91f3c70",
+	ms[2] = ichorv1.MachineStatus{Name: "worker-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "wait-rebooted", To: "e91f3c70",
 		StartedAt: ago(150 * time.Second), Attempts: 1, Message: "waiting for the machine to come back"}
 	ms[3].Message = "plan: changes, applies live"
 	return planned, running
