@@ -129,7 +129,7 @@ func pullStep() Step {
 			err = talos.PullLegacy(ctx, e.Talos, e.Address, image)
 		}
 		if err != nil {
-			return Outcome{}, Fail("PullFailed", "%w; the machine was not disturbed", err)
+			return Outcome{}, Fail("PullFailed", "the machine was not disturbed: %w", err)
 		}
 		return Outcome{Message: "pulled " + image}, nil
 	}}
