@@ -7,6 +7,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/membership"
@@ -35,8 +37,15 @@ func controlPlaneNode(name string, finalizers ...string) *corev1.Node {
 
 func setReady(t *testing.T, n *corev1.Node) {
 	t.Helper()
-	n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
-	if err := env.Client.Status().Update(context.Background(), n); err != nil {
+	// The node-lifecycle controller writes Node status too: write on the latest.
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := env.Client.Get(context.Background(), client.ObjectKeyFromObject(n), n); err != nil {
+			return err
+		}
+		n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
+		return env.Client.Status().Update(context.Background(), n)
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 }
