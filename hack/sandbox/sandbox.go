@@ -385,10 +385,17 @@ func (s *Sandbox) startControlPlane(ctx context.Context) error {
 	return nil
 }
 
+// webReadyPaces is how many paces web's pods take to become Ready.
+const webReadyPaces = 10
+
 // startWorkloads applies workloads.yaml with the real kubectl, as an
 // operator's cluster would have them, and waits until they are Ready.
 func (s *Sandbox) startWorkloads(ctx context.Context) error {
-	manifest := strings.ReplaceAll(workloads, "READY_AFTER", s.cfg.Pace.String())
+	// web's replacements take longer to be Ready than a drain takes to ask
+	// again, so its budget visibly holds a drain back (and is not already
+	// satisfied again by the time the next eviction comes).
+	manifest := strings.NewReplacer("WEB_READY_AFTER", (webReadyPaces * s.cfg.Pace).String(),
+		"READY_AFTER", s.cfg.Pace.String()).Replace(workloads)
 	if err := s.write(fileWorkloads, []byte(manifest), 0o600); err != nil {
 		return err
 	}
