@@ -1,7 +1,6 @@
 package machineconfig
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -15,6 +14,8 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/config/container"
 	"github.com/siderolabs/talos/pkg/machinery/config/encoder"
 	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
+
+	"maesh.dev/ichor/internal/configpatch"
 )
 
 // Patch is one change to a machine configuration: a patch an operator wrote
@@ -28,11 +29,8 @@ type Patch struct {
 // Name says which patch this is in messages: "patch 2", or the typed change's name.
 func (p Patch) Name() string { return p.name }
 
-// ParsePatches reads patches as talosctl's --config-patch does: each one a
-// YAML strategic merge patch (one or more documents, `$patch: delete`
-// allowed) or an RFC 6902 JSON patch written as JSON or YAML. A text is
-// always the patch itself, never a file name (configpatcher.LoadPatches
-// would read a file of that name on the controller).
+// ParsePatches reads patches as talosctl's --config-patch does
+// (configpatch.Load), naming each "patch N" in its errors.
 func ParsePatches(texts []string) ([]Patch, error) {
 	if len(texts) == 0 {
 		return nil, errors.New("no patches: give at least one machine-configuration patch")
@@ -40,15 +38,9 @@ func ParsePatches(texts []string) ([]Patch, error) {
 	out := make([]Patch, 0, len(texts))
 	for i, text := range texts {
 		name := fmt.Sprintf("patch %d", i+1)
-		if len(bytes.TrimSpace([]byte(text))) == 0 {
-			return nil, fmt.Errorf("%s is empty: write a YAML strategic merge patch (e.g. `machine: {nodeLabels: {zone: a}}`) or an RFC 6902 JSON patch", name)
-		}
-		p, err := configpatcher.LoadPatch([]byte(text))
+		p, err := configpatch.Load(text)
 		if err != nil {
-			// configpatcher decodes a strategic merge patch as a machine
-			// configuration: an unknown field or a value of the wrong type
-			// is refused here, for every machine alike.
-			return nil, fmt.Errorf("%s is not a machine-configuration patch (a YAML strategic merge patch of known fields, or an RFC 6902 JSON patch): %w; fix it, then create a new operation", name, err)
+			return nil, fmt.Errorf("%s is %w; fix it, then create a new operation", name, err)
 		}
 		out = append(out, Patch{name: name, patch: p})
 	}

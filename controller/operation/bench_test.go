@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -131,6 +132,7 @@ func benchSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, p
 	}
 	batch := int(op.MaxUnavailable)
 	ideal := time.Duration(cps+(workers+batch-1)/batch) * perMachine
+	quiet(b, &spec)
 	for i := 0; i < b.N; i++ {
 		c := newCluster(b, spec)
 		c.start()
@@ -161,6 +163,32 @@ func benchSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, p
 			op.Kind, wall.Round(time.Millisecond), ideal, wall.Seconds()/ideal.Seconds(), wallBudget, w.writes["bench"], steps,
 			float64(w.writes["bench"])/float64(steps), writesBudget)
 	}
+}
+
+// quiet sends the controller's and the machines' logs to a file
+// ($ICHOR_TEST_LOG, or one in the temporary directory that the benchmark's
+// log names): go test prints only a benchmark's first log lines, and theirs
+// would push out the line that sets the ratio beside its budget.
+func quiet(b *testing.B, spec *sim.Spec) {
+	path := os.Getenv("ICHOR_TEST_LOG")
+	flags := os.O_CREATE | os.O_APPEND | os.O_WRONLY
+	if path == "" {
+		path = filepath.Join(os.TempDir(), "ichor-"+strings.ReplaceAll(b.Name(), "/", "_")+".log")
+		flags |= os.O_TRUNC
+		b.Setenv("ICHOR_TEST_LOG", path)
+	}
+	f, err := os.OpenFile(path, flags, 0o600)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = f.Close() })
+	var mu sync.Mutex
+	spec.Logf = func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Fprintf(f, format+"\n", args...)
+	}
+	b.Logf("the controller's and the machines' logs: %s", path)
 }
 
 // BenchmarkReaction: the time from a retry annotation, a resume, and a

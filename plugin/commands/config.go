@@ -1,17 +1,14 @@
 package commands
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"os"
-	"strings"
 
 	"github.com/spf13/cobra"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/configpatch"
 )
 
 const configApplyExample = `  # Add a node label everywhere; Talos applies it live, so nothing reboots
@@ -88,9 +85,11 @@ func (c *configApplyOptions) build(e *Env, s *ichorv1.TalosOperationSpec) error 
 	return nil
 }
 
-// readPatch reads one patch file (- is standard input) and checks that it
-// is YAML shaped like a patch. Whether it applies and validates is for the
-// controller's preflight to say, per machine, with Talos's words.
+// readPatch reads one patch file (- is standard input) and checks that
+// machinery's configpatcher loads it, as the controller will: a typo'd
+// field or a file that is not a patch creates nothing. Whether it applies to
+// each machine and validates there is for the controller's preflight to
+// say, per machine, in Talos's words.
 func readPatch(path string, stdin io.Reader) (string, error) {
 	name := path
 	var data []byte
@@ -104,42 +103,8 @@ func readPatch(path string, stdin io.Reader) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("read patch %s: %w", name, err)
 	}
-	if strings.TrimSpace(string(data)) == "" {
-		return "", usageErrorf("patch %s is empty: write a strategic merge patch (machine: {nodeLabels: {zone: a}}) or an RFC 6902 JSON patch", name)
-	}
-	if err := patchShaped(data); err != nil {
-		return "", usageErrorf("patch %s is not a machine-config patch: %v", name, err)
+	if _, err := configpatch.Load(string(data)); err != nil {
+		return "", usageErrorf("patch %s is %v; fix it, then run this again (nothing was created)", name, err)
 	}
 	return string(data), nil
-}
-
-// patchShaped checks that data is YAML (or JSON) documents that are each a
-// mapping (a strategic merge patch), or one list (a JSON patch).
-func patchShaped(data []byte) error {
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
-	var kinds []string
-	for {
-		var doc any
-		err := dec.Decode(&doc)
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return err
-		}
-		switch doc.(type) {
-		case nil:
-			continue
-		case map[string]any:
-			kinds = append(kinds, "map")
-		case []any:
-			kinds = append(kinds, "list")
-		default:
-			return fmt.Errorf("a document is a %T, not a mapping (a strategic merge patch) or a list (an RFC 6902 JSON patch)", doc)
-		}
-	}
-	if len(kinds) > 1 && strings.Contains(strings.Join(kinds, ","), "list") {
-		return errors.New("an RFC 6902 JSON patch is one list of operations, alone in its file")
-	}
-	return nil
 }

@@ -40,10 +40,14 @@ func TestConfigApplyBuild(t *testing.T) {
 		{name: "a mode of its own", files: []string{file("d.yaml", labels)}, mode: "staged", err: `invalid --mode "staged"`},
 		{name: "a file that is not there", files: []string{filepath.Join(dir, "nope.yaml")}, mode: "reboot", err: "read patch"},
 		{name: "an empty file", files: []string{file("e.yaml", "\n  \n")}, mode: "reboot", err: "is empty"},
-		{name: "not YAML", files: []string{file("f.yaml", "machine: [nodeLabels\n")}, mode: "reboot", err: "is not a machine-config patch"},
-		{name: "a scalar", files: []string{file("g.yaml", "just words\n")}, mode: "reboot", err: "not a mapping"},
+		{name: "not YAML", files: []string{file("f.yaml", "machine: [nodeLabels\n")}, mode: "reboot", err: "f.yaml is not a machine-configuration patch"},
+		{name: "a scalar", files: []string{file("g.yaml", "just words\n")}, mode: "reboot", err: "expected a YAML document at line 1"},
 		{name: "a JSON patch beside a document", files: []string{file("h.yaml", labels+"---\n- op: remove\n  path: /machine/env\n")}, mode: "reboot",
-			err: "alone in its file"},
+			err: "expected a YAML document at line 5"},
+		{name: "an unknown field", files: []string{file("i.yaml", "machine:\n  nodeLabelz:\n    zone: a\n")}, mode: "reboot",
+			err: "unknown keys found during decoding"},
+		{name: "a value of the wrong type", files: []string{file("j.yaml", "machine:\n  env: 3\n")}, mode: "reboot",
+			err: "cannot construct !!int `3` into map[string]string"},
 		{name: "standard input twice", files: []string{"-", "-"}, stdin: labels, mode: "reboot", err: "given twice"},
 	}
 	for _, tt := range tests {
