@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
 	ctrlclient "sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -403,5 +404,49 @@ func TestConfigChangedMidway(t *testing.T) {
 	}
 	if n := reboots(rec, w.Name()); n != 1 || got.Status.Machines[0].Message != "applied, rebooted" {
 		t.Errorf("%d reboots, message %q", n, got.Status.Machines[0].Message)
+	}
+}
+
+// TestConfigVerifyAfterReboot: the machine came back from the reboot
+// without the change (someone else's apply replaced the label right after
+// it booted). Verify finds it: the step fails with ConfigNotActive, saying
+// so, the machine is not reported applied, and a retry inspects it again
+// and applies the change once more.
+func TestConfigVerifyAfterReboot(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	boot := w.BootID()
+	const other = "machine:\n  nodeLabels:\n    ichor.test/zone: b\n"
+	var once sync.Once
+	hook := func(s operation.StepRun) {
+		if s.Step != executor.StepApply || s.Err != nil || s.Machine != w.Name() {
+			return
+		}
+		once.Do(func() {
+			testenv.Eventually(t, time.Minute, w.Name()+" back from the reboot", func(context.Context) (bool, error) {
+				return !w.Down() && w.BootID() != boot, nil
+			})
+			applyDirect(t, c.fleet, w, machineconfig.NoReboot, other)
+		})
+	}
+	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
+	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
+	c.create("zone", op)
+	got := c.waitFailed("zone", machineconfig.ReasonNotActive)
+	m := got.Status.Machines[0]
+	if m.Step != executor.StepInspect || !strings.Contains(m.Message, "the machine runs configuration") || !strings.Contains(m.Message, "a retry inspects the machine again") {
+		t.Errorf("failed with step %s next: %q", m.Step, m.Message)
+	}
+	if strings.Contains(m.Message, "applied, rebooted") || m.Phase == ichorv1.MachineSucceeded {
+		t.Errorf("a machine without the change is reported applied: %s %q", m.Phase, m.Message)
+	}
+	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
+	got = c.waitSucceeded("zone", 2*time.Minute)
+	if zone := w.Config().Machine().NodeLabels()["ichor.test/zone"]; zone != "a" || got.Status.Machines[0].Message != "applied, rebooted" {
+		t.Errorf("after the retry: zone %q, message %q", zone, got.Status.Machines[0].Message)
+	}
+	if n := reboots(c.fleet.Recorder(), w.Name()); n != 2 {
+		t.Errorf("%d reboots, want 2 (the first apply's and the retry's)", n)
 	}
 }
