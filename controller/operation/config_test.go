@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/siderolabs/talos/pkg/machinery/client"
+	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -448,5 +449,43 @@ func TestConfigVerifyAfterReboot(t *testing.T) {
 	}
 	if n := reboots(c.fleet.Recorder(), w.Name()); n != 2 {
 		t.Errorf("%d reboots, want 2 (the first apply's and the retry's)", n)
+	}
+}
+
+// TestConfigTalosRefusalFailsStep: Talos refusing the apply itself (here
+// PermissionDenied, as for a talosconfig whose role was changed to
+// os:reader after preflight) fails the step with a reason of its own, a
+// message that quotes Talos and says what to do, and nothing applied; a
+// retry, once Talos accepts, applies it.
+func TestConfigTalosRefusalFailsStep(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	before := fingerprints(t, c.fleet)
+	var once sync.Once
+	hook := func(s operation.StepRun) {
+		if s.Step == executor.StepInspect && s.Err == nil && s.Machine == w.Name() {
+			once.Do(func() {
+				w.Inject(sim.Fault{Kind: sim.FaultError, Method: "ApplyConfiguration", Code: codes.PermissionDenied, Once: true})
+			})
+		}
+	}
+	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
+	op := configSpec(ichorv1.ConfigModeAuto, zoneLabel)
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
+	c.create("zone", op)
+	got := c.waitFailed("zone", machineconfig.ReasonNotPermitted)
+	m := got.Status.Machines[0]
+	for _, want := range []string{`apply the machine configuration: Talos says "simulated fault`, "needs the os:admin role"} {
+		if !strings.Contains(m.Message, want) {
+			t.Errorf("the failed step's message lacks %q: %q", want, m.Message)
+		}
+	}
+	if after := fingerprints(t, c.fleet); !equalMaps(before, after) {
+		t.Errorf("a refused apply changed a configuration: %v -> %v", before, after)
+	}
+	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
+	got = c.waitSucceeded("zone", 2*time.Minute)
+	if w.Config().Machine().NodeLabels()["ichor.test/zone"] != "a" || got.Status.Machines[0].Message != "applied live" {
+		t.Errorf("after the retry: labels %v, message %q", w.Config().Machine().NodeLabels(), got.Status.Machines[0].Message)
 	}
 }
