@@ -1,9 +1,6 @@
 package v1alpha1
 
-import (
-	"fmt"
-	"strings"
-)
+import "fmt"
 
 // The functions in this file read an operation's state the same way for the
 // plugin (exit codes, hints, completion) and the controller (lock takeover,
@@ -83,65 +80,6 @@ func (s *TalosOperationStatus) FailedMachine() *MachineStatus {
 	}
 	return nil
 }
-
-// HolderKind is what holds the cluster lock.
-type HolderKind string
-
-// Kinds of cluster lock holders.
-const (
-	HolderOperation HolderKind = "operation"
-	HolderMachine   HolderKind = "machine"
-	HolderJob       HolderKind = "job"
-)
-
-// LockHolder is a parsed cluster lock holder identity.
-type LockHolder struct {
-	Kind HolderKind
-	// Namespace is empty for a machine.
-	Namespace string
-	// Name is the operation's, the Node's or the Job's name.
-	Name string
-}
-
-// String is the holder's identity, as OperationIdentity, MachineIdentity
-// and JobIdentity write it.
-func (h LockHolder) String() string {
-	switch h.Kind {
-	case HolderOperation:
-		return OperationIdentity(h.Namespace, h.Name)
-	case HolderMachine:
-		return MachineIdentity(h.Name)
-	case HolderJob:
-		return JobIdentity(h.Namespace, h.Name)
-	}
-	return ""
-}
-
-// ParseLockHolder reads a cluster lock holder identity written by
-// OperationIdentity, MachineIdentity or JobIdentity.
-func ParseLockHolder(identity string) (LockHolder, error) {
-	nsName := func(kind HolderKind, rest string) (LockHolder, error) {
-		ns, name, ok := strings.Cut(rest, "/")
-		if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
-			return LockHolder{}, fmt.Errorf("lock holder %q: want %s<namespace>/<name>", identity, strings.TrimSuffix(identity, rest))
-		}
-		return LockHolder{Kind: kind, Namespace: ns, Name: name}, nil
-	}
-	switch {
-	case strings.HasPrefix(identity, opIdentityPrefix):
-		return nsName(HolderOperation, strings.TrimPrefix(identity, opIdentityPrefix))
-	case strings.HasPrefix(identity, machineIdentity):
-		node := strings.TrimPrefix(identity, machineIdentity)
-		if node == "" || strings.Contains(node, "/") {
-			return LockHolder{}, fmt.Errorf("lock holder %q: want %s<node>", identity, machineIdentity)
-		}
-		return LockHolder{Kind: HolderMachine, Name: node}, nil
-	case strings.HasPrefix(identity, "job/"):
-		return nsName(HolderJob, strings.TrimPrefix(identity, "job/"))
-	}
-	return LockHolder{}, fmt.Errorf("lock holder %q: not an operation (%s), machine (%s) or job (job/) identity", identity, opIdentityPrefix, machineIdentity)
-}
-
 // Summary says what a config rollout does, like "config (2 patches, auto)":
 // status.target, and the plugin's view before the controller has set it.
 func (c *ConfigRollout) Summary() string {

@@ -50,6 +50,7 @@ const (
 	lockIdentityPrefix = "ichor-controller/"
 	opIdentityPrefix   = lockIdentityPrefix + "op/"
 	machineIdentity    = lockIdentityPrefix + "machine/"
+	jobIdentityPrefix  = "job/"
 )
 
 // OperationIdentity is the cluster lock holder identity of an operation.
@@ -63,7 +64,7 @@ func MachineIdentity(node string) string { return machineIdentity + node }
 
 // JobIdentity is the cluster lock holder identity of a Job (the Cilium Helm Job).
 func JobIdentity(namespace, name string) string {
-	return fmt.Sprintf("job/%s/%s", namespace, name)
+	return fmt.Sprintf("%s%s/%s", jobIdentityPrefix, namespace, name)
 }
 
 // DangerousKind reports whether starting an operation of this kind (and

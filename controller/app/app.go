@@ -123,8 +123,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err != nil {
 		return nil, fmt.Errorf("clientset: %w", err)
 	}
-	lk := &lock.Lock{Client: mgr.GetClient(), Namespace: o.Namespace,
-		Judge: lock.ClusterJudge{Client: mgr.GetClient(), Jobs: mgr.GetAPIReader()}}
+	lk := newLock(mgr, o.Namespace)
 	live, err := client.New(cfg, client.Options{Scheme: Scheme})
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
@@ -162,6 +161,16 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		return nil, err
 	}
 	return mgr, nil
+}
+
+// newLock is the cluster lock as the controller uses it: every decision
+// reads the Lease and the holders from the API server (the manager's
+// APIReader); the queue of operations comes from the cache, which receives
+// creations in the order the API server made them.
+func newLock(mgr ctrl.Manager, namespace string) *lock.Lock {
+	judge := lock.ClusterJudge{Client: mgr.GetAPIReader()}
+	return &lock.Lock{Client: mgr.GetClient(), Live: mgr.GetAPIReader(), Namespace: namespace,
+		Judge: judge, Queue: lock.ClusterQueue{Operations: mgr.GetClient(), Judge: judge}}
 }
 
 // cacheOptions keep the informers lean: the one Secret and the Leases of

@@ -324,7 +324,7 @@ func ciliumStep(kpr *bool) Step {
 		if ok, why := cilium.RolledOut(agents.DaemonSet); !ok {
 			return false, Outcome{Message: "waiting for the agents: " + why, Recheck: time.Second}, nil
 		}
-		if ok, err := e.Lock.Reclaim(ctx, e.Identity); err != nil || !ok {
+		if ok, err := e.Lock.Reclaim(ctx, e.Holder); err != nil || !ok {
 			return false, Outcome{}, fmt.Errorf("take the cluster lock back from Job %s/%s: held %v, %v", j.namespace, j.name, ok, err)
 		}
 		return true, Outcome{Message: fmt.Sprintf("cilium %s on every agent", agents.Version)}, nil

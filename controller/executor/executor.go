@@ -106,6 +106,9 @@ type Env struct {
 	Live client.Client
 	// Lock is the cluster lock, which a step lends to the Job it starts.
 	Lock *lock.Lock
+	// Holder is who holds the lock for the operation (by its UID): the
+	// lender of a lend, and who takes the lock back.
+	Holder lock.Holder
 	// Controller is what the controller running the step knows of itself.
 	Controller Controller
 	// Progress, when set, replaces the machine's message while a Run step

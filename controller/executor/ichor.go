@@ -127,7 +127,7 @@ func installedStep() Step {
 		if !st.done {
 			return false, Outcome{Message: st.message}, nil
 		}
-		if ok, err := e.Lock.Reclaim(ctx, e.Identity); err != nil || !ok {
+		if ok, err := e.Lock.Reclaim(ctx, e.Holder); err != nil || !ok {
 			return false, Outcome{}, fmt.Errorf("take the cluster lock back from Job %s/%s: held %v, %v", j.namespace, j.name, ok, err)
 		}
 		return true, Outcome{Message: "installed " + e.Op.Spec.Ichor.Version + "; waiting for the new controller"}, nil

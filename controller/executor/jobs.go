@@ -10,8 +10,10 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/lock"
 )
 
 // Labels and annotations on the Jobs an operation starts.
@@ -93,10 +95,16 @@ func (j job) object(e *Env) *batchv1.Job {
 // judged stale and taken over. Until the lend, the Job's init container
 // waits for the lock like any holder.
 func (j job) start(ctx context.Context, e *Env) error {
-	if err := e.Kube.Create(ctx, j.object(e)); err != nil && !apierrors.IsAlreadyExists(err) {
+	obj := j.object(e)
+	err := e.Kube.Create(ctx, obj)
+	if apierrors.IsAlreadyExists(err) {
+		// A rerun: lend to the Job that exists, by its UID.
+		err = e.Live.Get(ctx, client.ObjectKeyFromObject(obj), obj)
+	}
+	if err != nil {
 		return Fail("JobNotCreated", "create Job %s/%s: %w", j.namespace, j.name, err)
 	}
-	if err := e.Lock.Lend(ctx, e.Identity, j.identity()); err != nil {
+	if err := e.Lock.Lend(ctx, e.Holder, lock.ForJob(obj)); err != nil {
 		return fmt.Errorf("lend the cluster lock to Job %s/%s: %w", j.namespace, j.name, err)
 	}
 	return nil

@@ -1,26 +1,37 @@
 // Package lock is the cluster lock: a coordination.k8s.io/v1 Lease whose
-// holderIdentity names who may do disruptive work right now. It is changed
-// only with optimistic concurrency (an update carries the resourceVersion it
-// read), so two controllers, or a controller and a Job, can never both
-// believe they hold it.
+// holderIdentity names who may do disruptive work right now, and whose
+// annotations say precisely which object holds it (its UID) and which Jobs
+// queue for it. It is changed only with optimistic concurrency (an update
+// carries the resourceVersion it read), and every decision reads the Lease
+// and the holder from the API server itself, never from a cache, so two
+// takers can never both believe they hold it.
 //
 // The Lease is not renewed and has no duration: a holder keeps the lock until
 // it releases it or until a Judge finds it stale (its operation deleted,
 // completed or paused on a failed step; its join or removal done; its Job
-// finished), and then the next taker takes it over.
+// finished), and then the next taker in the queue takes it over. Before a
+// holder starts a step that disrupts a machine it confirms the hold with a
+// guarded write (Confirm): a taker that judged it stale from what it read
+// before then cannot take the lock from under that step.
 package lock
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/event"
+	"sigs.k8s.io/controller-runtime/pkg/predicate"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
@@ -31,50 +42,140 @@ import (
 var ErrConflict = apierrors.NewConflict(coordinationv1.Resource("leases"), ichorv1.LockLeaseName,
 	errors.New("the cluster lock changed meanwhile; read it again"))
 
+// NotHeldError is what Confirm returns when the lock is not the holder's.
+type NotHeldError struct {
+	// Holder is the identity that holds it now ("" when it is free).
+	Holder string
+}
+
+func (e *NotHeldError) Error() string {
+	if e.Holder == "" {
+		return "the cluster lock is no longer held: it is free"
+	}
+	return "the cluster lock is no longer held: " + e.Holder + " holds it"
+}
+
 // Annotations on the Lease that explain its last change.
 const (
 	// TakenOverAnnotation records whom the holder took the lock over from, and why.
 	TakenOverAnnotation = "ichor.maesh.dev/taken-over-from"
 	// LentByAnnotation names the holder that lent the lock to the present
-	// one (an operation to its Job): only the lender takes it back, and the
-	// lock is not free while the lender goes on.
-	LentByAnnotation = "ichor.maesh.dev/lent-by"
+	// one (an operation to its Job), with LentByObjectAnnotation and
+	// LentByUIDAnnotation beside it as for the holder: only the lender takes
+	// it back, and the lock is not free while the lender goes on.
+	LentByAnnotation       = "ichor.maesh.dev/lent-by"
+	LentByObjectAnnotation = "ichor.maesh.dev/lent-by-object"
+	LentByUIDAnnotation    = "ichor.maesh.dev/lent-by-uid"
 )
 
-// Judge decides whether a holder has finished with the lock without releasing it.
-type Judge interface {
-	Stale(ctx context.Context, holder string) (stale bool, why string, err error)
+// Holder is who holds, or wants, the cluster lock.
+type Holder struct {
+	// Identity is the Lease's holderIdentity, in the form the specification
+	// fixes (ichor-controller/op/<ns>/<name>, ichor-controller/machine/<node>,
+	// job/<ns>/<name>). Several holders can share one.
+	Identity string
+	// Object is the object whose work the hold is for.
+	Object ichorv1.LockObject
+	// UID is Object's UID: what tells holders of one identity apart.
+	UID types.UID
+}
+
+func (h Holder) String() string {
+	if h.Object.Kind == "" {
+		return h.Identity
+	}
+	return fmt.Sprintf("%s (%s %s)", h.Identity, h.Object, h.UID)
+}
+
+// ForOperation is an operation holding the lock under identity: its own,
+// or its machine's for a control-plane reset.
+func ForOperation(op *ichorv1.TalosOperation, identity string) Holder {
+	return Holder{Identity: identity, UID: op.UID,
+		Object: ichorv1.LockObject{Kind: ichorv1.ObjectOperation, Namespace: op.Namespace, Name: op.Name}}
+}
+
+// ForNode is a control-plane join or removal, held as the machine.
+func ForNode(node metav1.Object) Holder {
+	return Holder{Identity: ichorv1.MachineIdentity(node.GetName()), UID: node.GetUID(),
+		Object: ichorv1.LockObject{Kind: ichorv1.ObjectNode, Name: node.GetName()}}
+}
+
+// ForJob is a Job holding the lock as job/<ns>/<name>.
+func ForJob(job metav1.Object) Holder {
+	return Holder{Identity: ichorv1.JobIdentity(job.GetNamespace(), job.GetName()), UID: job.GetUID(),
+		Object: ichorv1.LockObject{Kind: ichorv1.ObjectJob, Namespace: job.GetNamespace(), Name: job.GetName()}}
 }
 
 // Lock takes and releases the cluster lock.
 type Lock struct {
-	Client    client.Client
+	// Client writes the Lease, and reads it for Get (a cache is fine there).
+	Client client.Client
+	// Live reads the Lease for every decision (Acquire, Confirm, Release):
+	// the API server itself, not a cache. Nil means Client.
+	Live      client.Reader
 	Namespace string
 	Judge     Judge
+	// Queue finds the waiters that go before a taker; nil means none do.
+	Queue Queue
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
 }
 
+// Request is a taker's request for the lock.
+type Request struct {
+	Holder Holder
+	// Place is the taker's place in the queue. Nil takes the lock before
+	// every waiter: a control-plane join or removal, which happens whether
+	// or not it holds the lock.
+	Place *ichorv1.QueuePlace
+	// Queue records a taker that has to wait in the Lease's queue, so that
+	// the operations see it (a Job: the controller does not list Jobs).
+	Queue bool
+}
+
 // Result says what Acquire found.
 type Result struct {
-	// Acquired is true when identity holds the lock now.
+	// Acquired is true when the taker holds the lock now.
 	Acquired bool
-	// Holder is the holder that keeps it when Acquired is false.
+	// AlreadyHeld is true when it held it before.
+	AlreadyHeld bool
+	// Holder is the identity that holds it when Acquired is false ("" when
+	// the lock is free but Ahead goes first).
 	Holder string
 	// Since is when Holder took it.
 	Since time.Time
+	// Ahead names the waiter that goes first, when that is why the taker waits.
+	Ahead string
 	// TookOver names the stale holder replaced, with why, when that happened.
 	TookOver string
 }
 
 // State is the lock as it is now.
 type State struct {
-	Holder string
+	// Holder is zero when the lock is free.
+	Holder Holder
 	Since  time.Time
-	// LentBy is the holder that lent the lock to Holder, if it was lent.
-	LentBy string
+	// LentBy is the holder that lent the lock to Holder; zero when not lent.
+	LentBy Holder
 	// TakenOverFrom is the Lease's note of the last takeover, if any.
 	TakenOverFrom string
+	// Waiting are the Jobs queued in the Lease.
+	Waiting []ichorv1.LockWaiter
+}
+
+// Free reports whether nobody holds the lock.
+func (s State) Free() bool { return s.Holder.Identity == "" }
+
+// HeldBy reports whether h is the holder: the same object, by UID.
+func (s State) HeldBy(h Holder) bool { return s.Holder.UID != "" && s.Holder.UID == h.UID }
+
+// Lent reports whether the holder borrowed the lock.
+func (s State) Lent() bool { return s.LentBy.Identity != "" }
+
+// Holds reports whether h holds the lock: itself, or through the holder it
+// lent the lock to.
+func (s State) Holds(h Holder) bool {
+	return s.HeldBy(h) || (s.Lent() && s.LentBy.UID != "" && s.LentBy.UID == h.UID)
 }
 
 func (l *Lock) now() time.Time {
@@ -84,27 +185,54 @@ func (l *Lock) now() time.Time {
 	return time.Now()
 }
 
-// Get reads the lock. A missing Lease is a free lock.
+// Get reads the lock through Client. A missing Lease is a free lock.
 func (l *Lock) Get(ctx context.Context) (State, error) {
-	lease, err := l.get(ctx)
+	lease, err := l.read(ctx, l.Client)
 	if err != nil || lease == nil {
 		return State{}, err
 	}
-	return stateOf(lease), nil
+	return stateOf(lease)
 }
 
-func stateOf(lease *coordinationv1.Lease) State {
-	s := State{Holder: ptr.Deref(lease.Spec.HolderIdentity, ""), TakenOverFrom: lease.Annotations[TakenOverAnnotation],
-		LentBy: lease.Annotations[LentByAnnotation]}
+func stateOf(lease *coordinationv1.Lease) (State, error) {
+	a := lease.Annotations
+	s := State{TakenOverFrom: a[TakenOverAnnotation]}
+	if id := ptr.Deref(lease.Spec.HolderIdentity, ""); id != "" {
+		s.Holder = holderOf(id, a[ichorv1.LockHolderObjectAnnotation], a[ichorv1.LockHolderUIDAnnotation])
+		if a[LentByAnnotation] != "" {
+			s.LentBy = holderOf(a[LentByAnnotation], a[LentByObjectAnnotation], a[LentByUIDAnnotation])
+		}
+	}
 	if lease.Spec.AcquireTime != nil {
 		s.Since = lease.Spec.AcquireTime.Time
 	}
-	return s
+	var err error
+	s.Waiting, err = ichorv1.LockWaitingJobs(lease.Annotations)
+	return s, err
 }
 
-func (l *Lock) get(ctx context.Context) (*coordinationv1.Lease, error) {
+// holderOf reads a holder from the Lease's identity, object and UID.
+func holderOf(identity, object, uid string) Holder {
+	h := Holder{Identity: identity, UID: types.UID(uid)}
+	if o, err := ichorv1.ParseLockObject(object); err == nil {
+		h.Object = o
+	} else if id, err := ichorv1.ParseLockHolder(identity); err == nil {
+		// A Lease from before holders' objects were recorded.
+		h.Object = id.Object()
+	}
+	return h
+}
+
+func (l *Lock) live() client.Reader {
+	if l.Live != nil {
+		return l.Live
+	}
+	return l.Client
+}
+
+func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease, error) {
 	lease := &coordinationv1.Lease{}
-	err := l.Client.Get(ctx, client.ObjectKey{Namespace: l.Namespace, Name: ichorv1.LockLeaseName}, lease)
+	err := r.Get(ctx, client.ObjectKey{Namespace: l.Namespace, Name: ichorv1.LockLeaseName}, lease)
 	if apierrors.IsNotFound(err) {
 		return nil, nil
 	}
@@ -114,133 +242,109 @@ func (l *Lock) get(ctx context.Context) (*coordinationv1.Lease, error) {
 	return lease, nil
 }
 
-// Holds reports whether identity holds the lock: itself, or through the
-// holder it lent the lock to.
-func (s State) Holds(identity string) bool {
-	return s.Holder == identity || (s.Holder != "" && s.LentBy == identity)
-}
-
-// Acquire takes the lock for identity when it is free, already identity's
-// (or lent by identity: it still holds it, through the borrower), or held by
-// a holder the Judge finds stale. A lent lock is stale only once both the
-// borrower and the lender are.
-func (l *Lock) Acquire(ctx context.Context, identity string) (Result, error) {
-	lease, err := l.get(ctx)
+// Acquire takes the lock for the request's holder when it is free, already
+// the holder's, or held by a holder the Judge finds stale, and no waiter
+// queued before it wants it.
+func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
+	lease, err := l.read(ctx, l.live())
 	if err != nil {
 		return Result{}, err
 	}
 	if lease == nil {
-		return l.create(ctx, identity)
+		if ahead, err := l.ahead(ctx, req, nil); err != nil || ahead != "" {
+			return Result{Ahead: ahead}, err
+		}
+		return l.create(ctx, req.Holder)
 	}
-	st := stateOf(lease)
-	switch {
-	case st.Holds(identity):
-		return Result{Acquired: true, Holder: identity, Since: st.Since}, nil
-	case st.Holder != "":
-		stale, why, err := l.stale(ctx, st)
-		if err != nil {
-			return Result{}, fmt.Errorf("judge lock holder %s: %w", st.Holder, err)
-		}
-		if !stale {
-			return Result{Holder: st.Holder, Since: st.Since}, nil
-		}
-		tookOver := st.Holder + " (" + why + ")"
-		if err := l.write(ctx, lease, identity, tookOver); err != nil {
-			return Result{}, err
-		}
-		return Result{Acquired: true, Holder: identity, Since: l.now(), TookOver: tookOver}, nil
-	}
-	if err := l.write(ctx, lease, identity, ""); err != nil {
+	st, err := stateOf(lease)
+	if err != nil {
 		return Result{}, err
 	}
-	return Result{Acquired: true, Holder: identity, Since: l.now()}, nil
-}
-
-// stale judges a holder; a lent lock is stale when borrower and lender are.
-func (l *Lock) stale(ctx context.Context, st State) (bool, string, error) {
-	stale, why, err := l.Judge.Stale(ctx, st.Holder)
-	if err != nil || !stale || st.LentBy == "" {
-		return stale, why, err
-	}
-	lenderStale, lenderWhy, err := l.Judge.Stale(ctx, st.LentBy)
-	if err != nil || !lenderStale {
-		return false, "", err
-	}
-	return true, fmt.Sprintf("%s; lent by %s, %s", why, st.LentBy, lenderWhy), nil
-}
-
-// Lend hands the lock from lender, which must hold it, to borrower in one
-// guarded write, so it is never free between them. The Lease records the
-// lender: the lender still holds the lock (Holds), and takes it back with
-// Reclaim once the borrower is done. Lending again to the same borrower
-// changes nothing.
-func (l *Lock) Lend(ctx context.Context, lender, borrower string) error {
-	lease, err := l.get(ctx)
-	if err != nil {
-		return err
-	}
-	st := State{}
-	if lease != nil {
-		st = stateOf(lease)
-	}
-	if st.Holder == borrower && st.LentBy == lender {
-		return nil
-	}
-	if lease == nil || st.Holder != lender {
-		return fmt.Errorf("%s cannot lend the cluster lock to %s: it is held by %q", lender, borrower, st.Holder)
-	}
-	return l.writeLent(ctx, lease, borrower, lender)
-}
-
-// Reclaim takes a lock that lender lent back from its borrower. It reports
-// whether lender holds the lock in its own name now (false when it had not
-// lent it and does not hold it).
-func (l *Lock) Reclaim(ctx context.Context, lender string) (bool, error) {
-	lease, err := l.get(ctx)
-	if err != nil || lease == nil {
-		return false, err
-	}
-	st := stateOf(lease)
+	me := req.Holder
 	switch {
-	case st.Holder == lender && st.LentBy == "":
-		return true, nil
-	case st.Holder == "" || st.LentBy != lender:
-		return false, nil
+	case st.Holds(me):
+		// Its own, or lent by it to its Job: it still holds it, through the borrower.
+		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since}, nil
+	case st.Holder.UID == "" && st.Holder.Identity == me.Identity:
+		// Taken before holders' UIDs were recorded: it is this holder's.
+		if err := l.write(ctx, lease, func(le *coordinationv1.Lease) { setHolder(le, me, st.Since) }); err != nil {
+			return Result{}, err
+		}
+		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since}, nil
 	}
-	return true, l.writeLent(ctx, lease, lender, "")
-}
-
-// writeLent sets the holder and who lent it the lock, keeping the time the
-// lock was first taken: lending and reclaiming are one holding.
-func (l *Lock) writeLent(ctx context.Context, lease *coordinationv1.Lease, holder, lentBy string) error {
-	lease = lease.DeepCopy()
-	now := metav1.NewMicroTime(l.now())
-	lease.Spec.HolderIdentity, lease.Spec.RenewTime = &holder, &now
-	if lease.Annotations == nil {
-		lease.Annotations = map[string]string{}
+	tookOver := ""
+	if !st.Free() {
+		v, err := l.stale(ctx, st)
+		if err != nil {
+			return Result{}, fmt.Errorf("judge lock holder %s: %w", st.Holder.Identity, err)
+		}
+		if !v.Stale {
+			return l.wait(ctx, lease, st, req, Result{Holder: st.Holder.Identity, Since: st.Since})
+		}
+		tookOver = st.Holder.Identity + " (" + v.Why + ")"
 	}
-	if lentBy == "" {
-		delete(lease.Annotations, LentByAnnotation)
-	} else {
-		lease.Annotations[LentByAnnotation] = lentBy
+	if ahead, err := l.ahead(ctx, req, st.Waiting); err != nil || ahead != "" {
+		if err != nil {
+			return Result{}, err
+		}
+		res := Result{Ahead: ahead}
+		if tookOver == "" {
+			res.Holder = st.Holder.Identity
+		}
+		return l.wait(ctx, lease, st, req, res)
 	}
-	err := l.Client.Update(ctx, lease)
-	if apierrors.IsConflict(err) {
-		return ErrConflict
-	}
+	now := l.now()
+	err = l.write(ctx, lease, func(le *coordinationv1.Lease) {
+		setHolder(le, me, now)
+		setWaiting(le, slices.DeleteFunc(st.Waiting, func(w ichorv1.LockWaiter) bool { return w.UID == me.UID }))
+		if tookOver != "" {
+			metav1.SetMetaDataAnnotation(&le.ObjectMeta, TakenOverAnnotation, tookOver)
+		}
+	})
 	if err != nil {
-		return fmt.Errorf("update cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
+		return Result{}, err
 	}
-	return nil
+	return Result{Acquired: true, Holder: me.Identity, Since: now, TookOver: tookOver}, nil
 }
 
-func (l *Lock) create(ctx context.Context, identity string) (Result, error) {
-	now := metav1.NewMicroTime(l.now())
-	lease := &coordinationv1.Lease{
-		ObjectMeta: metav1.ObjectMeta{Namespace: l.Namespace, Name: ichorv1.LockLeaseName,
-			Labels: map[string]string{"app.kubernetes.io/part-of": "ichor"}},
-		Spec: coordinationv1.LeaseSpec{HolderIdentity: &identity, AcquireTime: &now, RenewTime: &now},
+// ahead names the waiter that goes before the request, if any.
+func (l *Lock) ahead(ctx context.Context, req Request, jobs []ichorv1.LockWaiter) (string, error) {
+	if req.Place == nil || l.Queue == nil {
+		return "", nil
 	}
+	ahead, err := l.Queue.Ahead(ctx, req.Holder, *req.Place, jobs)
+	if err != nil {
+		return "", fmt.Errorf("the queue for the cluster lock: %w", err)
+	}
+	return ahead, nil
+}
+
+// wait returns res for a taker that has to wait, first queueing it in the
+// Lease when the request asks for that and it is not queued yet.
+func (l *Lock) wait(ctx context.Context, lease *coordinationv1.Lease, st State, req Request, res Result) (Result, error) {
+	if !req.Queue || req.Place == nil || slices.ContainsFunc(st.Waiting, func(w ichorv1.LockWaiter) bool { return w.UID == req.Holder.UID }) {
+		return res, nil
+	}
+	waiting := append(slices.Clone(st.Waiting), ichorv1.LockWaiter{Identity: req.Holder.Identity, UID: req.Holder.UID, Place: *req.Place})
+	return res, l.write(ctx, lease, func(le *coordinationv1.Lease) { setWaiting(le, waiting) })
+}
+
+// Place returns where the holder waits in the Lease's queue, if it does.
+func (s State) Place(h Holder) (ichorv1.QueuePlace, bool) {
+	for _, w := range s.Waiting {
+		if w.UID == h.UID {
+			return w.Place, true
+		}
+	}
+	return ichorv1.QueuePlace{}, false
+}
+
+func (l *Lock) create(ctx context.Context, h Holder) (Result, error) {
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: l.Namespace, Name: ichorv1.LockLeaseName,
+		Labels: map[string]string{"app.kubernetes.io/part-of": "ichor"}}}
+	now := l.now()
+	setHolder(lease, h, now)
+	lease.Spec.RenewTime = ptr.To(metav1.NewMicroTime(now))
 	err := l.Client.Create(ctx, lease)
 	if apierrors.IsAlreadyExists(err) {
 		return Result{}, ErrConflict
@@ -248,26 +352,43 @@ func (l *Lock) create(ctx context.Context, identity string) (Result, error) {
 	if err != nil {
 		return Result{}, fmt.Errorf("create cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
 	}
-	return Result{Acquired: true, Holder: identity, Since: now.Time}, nil
+	return Result{Acquired: true, Holder: h.Identity, Since: now}, nil
 }
 
-// write sets the holder (empty frees the lock) with the resourceVersion read.
-func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, identity, tookOver string) error {
-	lease = lease.DeepCopy()
-	now := metav1.NewMicroTime(l.now())
-	if identity == "" {
+// setHolder makes h the holder since the given time; a zero h frees the
+// lock. The caller sets renewTime.
+func setHolder(lease *coordinationv1.Lease, h Holder, since time.Time) {
+	for _, k := range []string{LentByAnnotation, LentByObjectAnnotation, LentByUIDAnnotation} {
+		delete(lease.Annotations, k)
+	}
+	if h.Identity == "" {
 		lease.Spec.HolderIdentity, lease.Spec.AcquireTime = nil, nil
-	} else {
-		lease.Spec.HolderIdentity, lease.Spec.AcquireTime = &identity, &now
+		delete(lease.Annotations, ichorv1.LockHolderUIDAnnotation)
+		delete(lease.Annotations, ichorv1.LockHolderObjectAnnotation)
+		return
 	}
+	acquired := metav1.NewMicroTime(since)
+	lease.Spec.HolderIdentity, lease.Spec.AcquireTime = ptr.To(h.Identity), &acquired
+	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockHolderUIDAnnotation, string(h.UID))
+	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockHolderObjectAnnotation, h.Object.String())
+}
+
+func setWaiting(lease *coordinationv1.Lease, waiting []ichorv1.LockWaiter) {
+	if len(waiting) == 0 {
+		delete(lease.Annotations, ichorv1.LockWaitingJobsAnnotation)
+		return
+	}
+	b, _ := json.Marshal(waiting) // plain strings and times: cannot fail
+	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockWaitingJobsAnnotation, string(b))
+}
+
+// write applies change to a copy of lease, renews it, and updates it with
+// the resourceVersion read.
+func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change func(*coordinationv1.Lease)) error {
+	lease = lease.DeepCopy()
+	change(lease)
+	now := metav1.NewMicroTime(l.now())
 	lease.Spec.RenewTime = &now
-	delete(lease.Annotations, LentByAnnotation)
-	if tookOver != "" {
-		if lease.Annotations == nil {
-			lease.Annotations = map[string]string{}
-		}
-		lease.Annotations[TakenOverAnnotation] = tookOver
-	}
 	err := l.Client.Update(ctx, lease)
 	if apierrors.IsConflict(err) {
 		return ErrConflict
@@ -278,26 +399,143 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, identity,
 	return nil
 }
 
-// Release frees the lock if identity holds it, and reports how long it was
-// held. Releasing a lock held by someone else (or nobody) changes nothing.
+// Confirm checks, with a guarded write to the Lease, that h still holds the
+// lock: call it right before a step that disrupts a machine. A taker that
+// judged h stale from an earlier read then fails to take the lock (its
+// write conflicts with this one); if it took the lock first, Confirm
+// returns a *NotHeldError and nothing may start.
+func (l *Lock) Confirm(ctx context.Context, h Holder) error {
+	return l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		if !st.Holds(h) {
+			return false, &NotHeldError{Holder: st.Holder.Identity}
+		}
+		return true, nil // the write renews it
+	})
+}
+
+// Release frees the lock if h holds it (by UID), and reports how long it was
+// held. Releasing a lock held by another holder (or nobody) changes nothing.
 // A borrower's release gives the lock back to its lender, never frees it.
-func (l *Lock) Release(ctx context.Context, identity string) (held time.Duration, released bool, err error) {
-	lease, err := l.get(ctx)
-	if err != nil || lease == nil {
-		return 0, false, err
+func (l *Lock) Release(ctx context.Context, h Holder) (held time.Duration, released bool, err error) {
+	err = l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		released = st.HeldBy(h)
+		switch {
+		case released && st.Lent():
+			setHolder(lease, st.LentBy, st.Since) // a borrower gives it back
+		case released:
+			setHolder(lease, Holder{}, time.Time{})
+			if !st.Since.IsZero() {
+				held = l.now().Sub(st.Since)
+			}
+		}
+		return released, nil
+	})
+	return held, released, err
+}
+
+// stale judges the holder; a lent lock is stale only once borrower and
+// lender both are (and over once both are over).
+func (l *Lock) stale(ctx context.Context, st State) (Verdict, error) {
+	v, err := l.Judge.Stale(ctx, st.Holder)
+	if err != nil || !v.Stale || !st.Lent() {
+		return v, err
 	}
-	st := stateOf(lease)
-	if st.Holder != identity {
-		return 0, false, nil
+	lender, err := l.Judge.Stale(ctx, st.LentBy)
+	if err != nil || !lender.Stale {
+		return Verdict{}, err
 	}
-	if st.LentBy != "" {
-		return 0, true, l.writeLent(ctx, lease, st.LentBy, "")
-	}
-	if err := l.write(ctx, lease, "", ""); err != nil {
-		return 0, false, err
-	}
-	if !st.Since.IsZero() {
-		held = l.now().Sub(st.Since)
-	}
-	return held, true, nil
+	return Verdict{Stale: true, Over: v.Over && lender.Over,
+		Why: fmt.Sprintf("%s; lent by %s, %s", v.Why, st.LentBy.Identity, lender.Why)}, nil
+}
+
+// Lend hands the lock from lender, which must hold it in its own name, to
+// borrower in one guarded write, so it is never free between them. The
+// Lease records the lender: the lender still holds the lock (Holds), and
+// takes it back with Reclaim once the borrower is done. Lending again to the
+// same borrower changes nothing.
+func (l *Lock) Lend(ctx context.Context, lender, borrower Holder) error {
+	return l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		switch {
+		case st.HeldBy(borrower) && st.Lent() && st.LentBy.UID == lender.UID:
+			return false, nil
+		case !st.HeldBy(lender) || st.Lent():
+			return false, fmt.Errorf("%s cannot lend the cluster lock to %s: it is held by %q", lender.Identity, borrower.Identity, st.Holder.Identity)
+		}
+		setHolder(lease, borrower, st.Since)
+		metav1.SetMetaDataAnnotation(&lease.ObjectMeta, LentByAnnotation, lender.Identity)
+		metav1.SetMetaDataAnnotation(&lease.ObjectMeta, LentByObjectAnnotation, lender.Object.String())
+		metav1.SetMetaDataAnnotation(&lease.ObjectMeta, LentByUIDAnnotation, string(lender.UID))
+		return true, nil
+	})
+}
+
+// Reclaim takes a lock that lender lent back from its borrower. It reports
+// whether lender holds the lock in its own name now (false when it had not
+// lent it and does not hold it).
+func (l *Lock) Reclaim(ctx context.Context, lender Holder) (held bool, err error) {
+	err = l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		held = false
+		switch {
+		case st.HeldBy(lender) && !st.Lent():
+			held = true
+			return false, nil
+		case !st.Lent() || st.LentBy.UID != lender.UID:
+			return false, nil
+		}
+		held = true
+		setHolder(lease, lender, st.Since) // lending and reclaiming are one holding
+		return true, nil
+	})
+	return held, err
+}
+
+// Withdraw takes h out of the Lease's queue (a Job that stops waiting).
+func (l *Lock) Withdraw(ctx context.Context, h Holder) error {
+	return l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		if _, queued := st.Place(h); !queued {
+			return false, nil
+		}
+		setWaiting(lease, slices.DeleteFunc(st.Waiting, func(w ichorv1.LockWaiter) bool { return w.UID == h.UID }))
+		return true, nil
+	})
+}
+
+// update reads the Lease live, lets change decide on a copy, and writes the
+// copy if change says so, reading again while the Lease changes under it. A
+// missing Lease is a free lock with nothing to change.
+func (l *Lock) update(ctx context.Context, change func(State, *coordinationv1.Lease) (bool, error)) error {
+	return retry.OnError(retry.DefaultRetry, func(err error) bool { return errors.Is(err, ErrConflict) }, func() error {
+		lease, err := l.read(ctx, l.live())
+		if err != nil {
+			return err
+		}
+		if lease == nil {
+			_, err := change(State{}, &coordinationv1.Lease{})
+			return err
+		}
+		st, err := stateOf(lease)
+		if err != nil {
+			return err
+		}
+		lease = lease.DeepCopy()
+		if write, err := change(st, lease); err != nil || !write {
+			return err
+		}
+		return l.write(ctx, lease, func(*coordinationv1.Lease) {})
+	})
+}
+
+// Changed passes the events of the lock Lease that can change whose turn it
+// is: a new holder, or a change of the Jobs queued in it. It drops the
+// writes that only renew the hold (Confirm's), which change nothing for
+// anyone else.
+func Changed() predicate.Funcs {
+	return predicate.Funcs{UpdateFunc: func(e event.UpdateEvent) bool {
+		a, b := e.ObjectOld.GetAnnotations(), e.ObjectNew.GetAnnotations()
+		la, okA := e.ObjectOld.(*coordinationv1.Lease)
+		lb, okB := e.ObjectNew.(*coordinationv1.Lease)
+		return !okA || !okB || ptr.Deref(la.Spec.HolderIdentity, "") != ptr.Deref(lb.Spec.HolderIdentity, "") ||
+			a[ichorv1.LockHolderUIDAnnotation] != b[ichorv1.LockHolderUIDAnnotation] ||
+			a[ichorv1.LockWaitingJobsAnnotation] != b[ichorv1.LockWaitingJobsAnnotation]
+	}}
 }

@@ -9,8 +9,12 @@ import (
 	"testing"
 
 	batchv1 "k8s.io/api/batch/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/lock"
@@ -21,53 +25,182 @@ var env *testenv.Env
 
 func TestMain(m *testing.M) { os.Exit(testenv.Main(m, &env)) }
 
-func newLock(t *testing.T) *lock.Lock {
-	return &lock.Lock{Client: env.Client, Namespace: env.Namespace(t), Judge: lock.ClusterJudge{Client: env.Client}}
+func newLock(ns string) *lock.Lock {
+	judge := lock.ClusterJudge{Client: env.Client}
+	return &lock.Lock{Client: env.Client, Namespace: ns, Judge: judge, Queue: lock.ClusterQueue{Operations: env.Client, Judge: judge}}
+}
+
+// world makes the objects that hold the lock, in one namespace.
+type world struct {
+	t  *testing.T
+	ns string
+}
+
+func newWorld(t *testing.T) *world { return &world{t: t, ns: env.Namespace(t)} }
+
+func (w *world) op(name string, st ichorv1.TalosOperationStatus, spec ...ichorv1.TalosOperationSpec) *ichorv1.TalosOperation {
+	w.t.Helper()
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name},
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI}}
+	if len(spec) > 0 {
+		op.Spec = spec[0]
+	}
+	if err := env.Client.Create(context.Background(), op); err != nil {
+		w.t.Fatal(err)
+	}
+	w.setStatus(op, st)
+	return op
+}
+
+func (w *world) setStatus(op *ichorv1.TalosOperation, st ichorv1.TalosOperationStatus) {
+	w.t.Helper()
+	op.Status = st
+	if err := env.Client.Status().Update(context.Background(), op); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// holds is an operation holding the lock under its own identity.
+func holds(op *ichorv1.TalosOperation) lock.Holder {
+	return lock.ForOperation(op, ichorv1.OperationIdentity(op.Namespace, op.Name))
+}
+
+func (w *world) node(name string, ready bool) *corev1.Node {
+	w.t.Helper()
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w.ns + "-" + name, Labels: map[string]string{ichorv1.ControlPlaneLabel: ""}}}
+	if err := env.Client.Create(context.Background(), n); err != nil {
+		w.t.Fatal(err)
+	}
+	w.t.Cleanup(func() { _ = env.Client.Delete(context.Background(), n) })
+	status := corev1.ConditionFalse
+	if ready {
+		status = corev1.ConditionTrue
+	}
+	n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: status}}
+	if err := env.Client.Status().Update(context.Background(), n); err != nil {
+		w.t.Fatal(err)
+	}
+	return n
+}
+
+func (w *world) job(name string, done batchv1.JobConditionType) *batchv1.Job {
+	w.t.Helper()
+	ctx := context.Background()
+	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: name}, Spec: batchv1.JobSpec{
+		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
+	if err := env.Client.Create(ctx, job); err != nil {
+		w.t.Fatal(err)
+	}
+	if done == "" {
+		return job
+	}
+	now := metav1.Now()
+	job.Status.StartTime = &now
+	if done == batchv1.JobComplete {
+		job.Status.CompletionTime = &now
+		job.Status.Succeeded = 1
+		job.Status.Conditions = []batchv1.JobCondition{{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now}}
+	} else {
+		job.Status.Failed = 1
+		job.Status.Conditions = []batchv1.JobCondition{{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, LastTransitionTime: now}}
+	}
+	job.Status.Conditions = append(job.Status.Conditions, batchv1.JobCondition{Type: done, Status: corev1.ConditionTrue, LastTransitionTime: now})
+	if err := env.Client.Status().Update(ctx, job); err != nil {
+		w.t.Fatal(err)
+	}
+	return job
+}
+
+var (
+	running = ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning}
+	failed  = ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "UpgradeFailed"}
+	// inFlight failed on one machine while another still reboots.
+	inFlight = ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "UpgradeFailed",
+		Machines: []ichorv1.MachineStatus{{Name: "w1", Phase: ichorv1.MachineFailed, Step: "install"}, {Name: "w2", Phase: ichorv1.MachineInProgress, Step: "reboot"}}}
+)
+
+func mustAcquire(t *testing.T, l *lock.Lock, h lock.Holder) lock.Result {
+	t.Helper()
+	res, err := l.Acquire(context.Background(), lock.Request{Holder: h})
+	if err != nil || !res.Acquired {
+		t.Fatalf("%s takes the lock: %+v %v", h, res, err)
+	}
+	return res
 }
 
 func TestAcquireAndRelease(t *testing.T) {
 	ctx := context.Background()
-	l := newLock(t)
+	w := newWorld(t)
+	l := newLock(w.ns)
 	// Both holders exist and run, so neither is stale.
-	var ids []string
-	for _, name := range []string{"a", "b"} {
-		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: l.Namespace, Name: name},
-			Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI}}
-		if err := env.Client.Create(ctx, op); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, ichorv1.OperationIdentity(l.Namespace, name))
-	}
-	a, b := ids[0], ids[1]
+	a, b := holds(w.op("a", running)), holds(w.op("b", running))
 
-	if st, err := l.Get(ctx); err != nil || st.Holder != "" {
+	if st, err := l.Get(ctx); err != nil || !st.Free() {
 		t.Fatalf("a missing Lease is a free lock: %+v %v", st, err)
 	}
-	res, err := l.Acquire(ctx, a)
-	if err != nil || !res.Acquired {
-		t.Fatalf("acquire free lock: %+v %v", res, err)
+	if res := mustAcquire(t, l, a); res.AlreadyHeld {
+		t.Errorf("a free lock taken is not already held: %+v", res)
 	}
-	if res, err = l.Acquire(ctx, a); err != nil || !res.Acquired {
-		t.Fatalf("acquire again by the holder: %+v %v", res, err)
+	if res := mustAcquire(t, l, a); !res.AlreadyHeld {
+		t.Errorf("acquire again by the holder: %+v", res)
 	}
-	if res, err = l.Acquire(ctx, b); err != nil || res.Acquired || res.Holder != a {
+	if res, err := l.Acquire(ctx, lock.Request{Holder: b}); err != nil || res.Acquired || res.Holder != a.Identity {
 		t.Fatalf("b must wait for a: %+v %v", res, err)
 	}
 	if _, released, err := l.Release(ctx, b); err != nil || released {
 		t.Fatalf("b released a lock it does not hold: %v %v", released, err)
 	}
 	if st, _ := l.Get(ctx); st.Holder != a {
-		t.Fatalf("holder changed to %q", st.Holder)
+		t.Fatalf("holder changed to %s", st.Holder)
 	}
 	if _, released, err := l.Release(ctx, a); err != nil || !released {
 		t.Fatalf("release: %v %v", released, err)
 	}
-	if st, _ := l.Get(ctx); st.Holder != "" {
-		t.Fatalf("released lock still held by %q", st.Holder)
+	if st, _ := l.Get(ctx); !st.Free() {
+		t.Fatalf("released lock still held by %s", st.Holder)
 	}
-	if res, err = l.Acquire(ctx, b); err != nil || !res.Acquired || res.TookOver != "" {
-		t.Fatalf("acquire after release: %+v %v", res, err)
+	if res := mustAcquire(t, l, b); res.TookOver != "" {
+		t.Fatalf("acquire after release is no takeover: %+v", res)
 	}
+}
+
+// TestOneIdentityTwoHolders: two holders that share an identity (two
+// resets of one control plane; a reset and a removal of it) are two
+// holders: the second waits, and neither can release the other's lock.
+func TestOneIdentityTwoHolders(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	l := newLock(w.ns)
+	cp := w.node("cp", true)
+	id := ichorv1.MachineIdentity(cp.Name)
+	reset := ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: cp.Name, Action: ichorv1.NodeReset}}
+	first := lock.ForOperation(w.op("reset-1", running, reset), id)
+	second := lock.ForOperation(w.op("reset-2", running, reset), id)
+	removal := lock.ForNode(cp)
+	if first.Identity != second.Identity || first.Identity != removal.Identity {
+		t.Fatalf("identities %s, %s, %s: the test wants one", first.Identity, second.Identity, removal.Identity)
+	}
+	mustAcquire(t, l, first)
+	for _, other := range []lock.Holder{second, removal} {
+		if res, err := l.Acquire(ctx, lock.Request{Holder: other}); err != nil || res.Acquired {
+			t.Errorf("%s took the lock %s holds: %+v %v", other, first, res, err)
+		}
+		if _, released, err := l.Release(ctx, other); err != nil || released {
+			t.Errorf("%s released the lock %s holds: %v", other, first, err)
+		}
+		if err := l.Confirm(ctx, other); !isNotHeld(err, id) {
+			t.Errorf("%s confirmed the lock %s holds: %v", other, first, err)
+		}
+	}
+	if st, _ := l.Get(ctx); st.Holder != first {
+		t.Errorf("holder %s, want %s", st.Holder, first)
+	}
+}
+
+func isNotHeld(err error, holder string) bool {
+	var nh *lock.NotHeldError
+	return errors.As(err, &nh) && nh.Holder == holder
 }
 
 // TestOnlyOneWins: many takers at once, each with its own view; optimistic
@@ -77,152 +210,185 @@ func TestOnlyOneWins(t *testing.T) {
 	ns := env.Namespace(t)
 	const takers = 8
 	var wg sync.WaitGroup
-	won := make(chan string, takers)
+	won := make(chan lock.Holder, takers)
 	for i := range takers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			l := &lock.Lock{Client: env.Client, Namespace: ns, Judge: neverStale{}}
-			id := fmt.Sprintf("job/%s/taker-%d", ns, i)
-			res, err := l.Acquire(ctx, id)
+			name := fmt.Sprintf("taker-%d", i)
+			h := lock.Holder{Identity: ichorv1.JobIdentity(ns, name), UID: types.UID(name),
+				Object: ichorv1.LockObject{Kind: ichorv1.ObjectJob, Namespace: ns, Name: name}}
+			res, err := l.Acquire(ctx, lock.Request{Holder: h})
 			if err != nil && !errors.Is(err, lock.ErrConflict) {
-				t.Errorf("acquire %s: %v", id, err)
+				t.Errorf("acquire %s: %v", h, err)
 			}
 			if err == nil && res.Acquired {
-				won <- id
+				won <- h
 			}
 		}()
 	}
 	wg.Wait()
 	close(won)
-	var winners []string
-	for id := range won {
-		winners = append(winners, id)
+	var winners []lock.Holder
+	for h := range won {
+		winners = append(winners, h)
 	}
 	if len(winners) != 1 {
 		t.Fatalf("winners = %v, want exactly one", winners)
 	}
 	l := &lock.Lock{Client: env.Client, Namespace: ns}
 	if st, _ := l.Get(ctx); st.Holder != winners[0] {
-		t.Fatalf("Lease holder %q, winner %q", st.Holder, winners[0])
+		t.Fatalf("Lease holder %s, winner %s", st.Holder, winners[0])
 	}
 }
 
 type neverStale struct{}
 
-func (neverStale) Stale(context.Context, string) (bool, string, error) { return false, "", nil }
+func (neverStale) Stale(context.Context, lock.Holder) (lock.Verdict, error) {
+	return lock.Verdict{}, nil
+}
+
+// judgeFunc is a Judge that does what the test says, between a taker's
+// read of the Lease and its write.
+type judgeFunc func(context.Context, lock.Holder) (lock.Verdict, error)
+
+func (f judgeFunc) Stale(ctx context.Context, h lock.Holder) (lock.Verdict, error) { return f(ctx, h) }
+
+// TestConfirmBeatsAStaleJudgement: B judges the failed holder A stale from
+// what it read; before B writes, A is retried and, before its next step,
+// confirms that it holds the lock. Exactly one of them may believe it
+// holds the lock, whichever order the two writes take.
+func TestConfirmBeatsAStaleJudgement(t *testing.T) {
+	ctx := context.Background()
+	for _, bFirst := range []bool{false, true} {
+		t.Run(fmt.Sprintf("takeover written first: %v", bFirst), func(t *testing.T) {
+			w := newWorld(t)
+			l := newLock(w.ns)
+			aOp := w.op("a", failed)
+			a, b := holds(aOp), holds(w.op("b", running))
+			mustAcquire(t, l, a)
+			var aErr error
+			retryA := func() {
+				w.setStatus(aOp, running)
+				aErr = l.Confirm(ctx, a)
+			}
+			lb := *l
+			lb.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
+				v, err := l.Judge.Stale(ctx, h)
+				if !bFirst {
+					retryA()
+				}
+				return v, err
+			})
+			res, bErr := lb.Acquire(ctx, lock.Request{Holder: b})
+			if bFirst {
+				retryA()
+			}
+			aHolds, bHolds := aErr == nil, bErr == nil && res.Acquired
+			if aHolds == bHolds {
+				t.Fatalf("a holds: %v (%v); b holds: %v (%+v %v): exactly one may", aHolds, aErr, bHolds, res, bErr)
+			}
+			if bFirst != bHolds {
+				t.Errorf("the first write should win: b holds %v", bHolds)
+			}
+			if st, _ := l.Get(ctx); (st.Holder == b) != bHolds {
+				t.Errorf("Lease holder %s; b believes it holds: %v", st.Holder, bHolds)
+			}
+		})
+	}
+}
+
+// TestAdoptOldLease: a Lease written before holders' UIDs were recorded is
+// adopted by the holder of its identity, and only by it.
+func TestAdoptOldLease(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	l := newLock(w.ns)
+	a, b := holds(w.op("a", running)), holds(w.op("b", running))
+	now := metav1.NewMicroTime(metav1.Now().Time)
+	old := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: ichorv1.LockLeaseName},
+		Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(a.Identity), AcquireTime: &now}}
+	if err := env.Client.Create(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := l.Acquire(ctx, lock.Request{Holder: b}); err != nil || res.Acquired {
+		t.Fatalf("b took a's lock: %+v %v", res, err)
+	}
+	if res := mustAcquire(t, l, a); !res.AlreadyHeld {
+		t.Errorf("a adopts its own lock: %+v", res)
+	}
+	lease := &coordinationv1.Lease{}
+	if err := env.Client.Get(ctx, client.ObjectKeyFromObject(old), lease); err != nil || lease.Annotations[ichorv1.LockHolderUIDAnnotation] != string(a.UID) {
+		t.Errorf("the adopted Lease records UID %q (%v), want %s", lease.Annotations[ichorv1.LockHolderUIDAnnotation], err, a.UID)
+	}
+}
 
 func TestTakeoverRules(t *testing.T) {
 	ctx := context.Background()
-	ns := env.Namespace(t)
-	mkOp := func(name string, paused bool, st ichorv1.TalosOperationStatus, spec ...ichorv1.TalosOperationSpec) string {
-		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-			Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Paused: paused}}
-		if len(spec) > 0 {
-			op.Spec = spec[0]
-		}
-		if err := env.Client.Create(ctx, op); err != nil {
-			t.Fatal(err)
-		}
-		op.Status = st
-		if err := env.Client.Status().Update(ctx, op); err != nil {
-			t.Fatal(err)
-		}
-		return ichorv1.OperationIdentity(ns, name)
-	}
-	mkNode := func(name string, ready bool) string {
-		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: ns + "-" + name, Labels: map[string]string{ichorv1.ControlPlaneLabel: ""}}}
-		if err := env.Client.Create(ctx, n); err != nil {
-			t.Fatal(err)
-		}
-		status := corev1.ConditionFalse
-		if ready {
-			status = corev1.ConditionTrue
-		}
-		n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: status}}
-		if err := env.Client.Status().Update(ctx, n); err != nil {
-			t.Fatal(err)
-		}
-		return n.Name
-	}
-	mkJob := func(name string, done batchv1.JobConditionType) string {
-		job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: batchv1.JobSpec{
-			Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
-				Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
-		if err := env.Client.Create(ctx, job); err != nil {
-			t.Fatal(err)
-		}
-		if done != "" {
-			now := metav1.Now()
-			job.Status.StartTime = &now
-			job.Status.CompletionTime = &now
-			job.Status.Conditions = []batchv1.JobCondition{{Type: done, Status: corev1.ConditionTrue, LastTransitionTime: now}}
-			if done == batchv1.JobComplete {
-				job.Status.Conditions = append([]batchv1.JobCondition{{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now}}, job.Status.Conditions...)
-				job.Status.Succeeded = 1
-			} else {
-				job.Status.CompletionTime = nil
-				job.Status.Failed = 1
-				job.Status.Conditions = append([]batchv1.JobCondition{{Type: batchv1.JobFailureTarget, Status: corev1.ConditionTrue, LastTransitionTime: now}}, job.Status.Conditions...)
-			}
-			if err := env.Client.Status().Update(ctx, job); err != nil {
-				t.Fatal(err)
-			}
-		}
-		return ichorv1.JobIdentity(ns, name)
-	}
-	failed := ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "upgrade w1: boom"}
+	w := newWorld(t)
 	resetSpec := func(node string) ichorv1.TalosOperationSpec {
 		return ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: node, Action: ichorv1.NodeReset}}
 	}
-	readyResetting := mkNode("cp-resetting", true)
-	mkOp("reset-op", false, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning}, resetSpec(readyResetting))
+	opPaused := func(name string, st ichorv1.TalosOperationStatus) *ichorv1.TalosOperation {
+		return w.op(name, st, ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, Paused: true})
+	}
+	// An operation deleted and created again under its name is another one.
+	recreated := w.op("recreated", running)
+	gone := holds(recreated)
+	if err := env.Client.Delete(ctx, recreated); err != nil {
+		t.Fatal(err)
+	}
+	w.op("recreated", running)
+	cpResetting := w.node("cp-resetting", true)
+	deleted := holds(&ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "gone", UID: "gone"}})
 
 	tests := []struct {
 		name   string
-		holder string
-		stale  bool
-		why    string
+		holder lock.Holder
+		want   lock.Verdict
 	}{
-		{"operation deleted", ichorv1.OperationIdentity(ns, "gone"), true, "deleted"},
-		{"operation completed", mkOp("done", false, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded}), true, "completed"},
-		{"operation refused", mkOp("refused", false, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRefused}), true, "refused"},
-		{"operation paused on a failed step", mkOp("failed", false, failed), true, "paused on a failed step"},
-		{"operation paused by an operator keeps it", mkOp("op-paused", true, ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonPausedByOperator}), false, ""},
-		{"failed and operator-paused keeps it", mkOp("both", true, failed), false, ""},
-		{"operation running keeps it", mkOp("running", false, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRunning}), false, ""},
-		{"machine whose Node is gone", ichorv1.MachineIdentity(ns + "-nope"), true, "node gone"},
-		{"machine still joining", ichorv1.MachineIdentity(mkNode("cp-joining", false)), false, ""},
-		{"machine joined", ichorv1.MachineIdentity(mkNode("cp-joined", true)), true, "join or removal done"},
-		{"machine being reset", ichorv1.MachineIdentity(readyResetting), false, ""},
-		{"job deleted", ichorv1.JobIdentity(ns, "gone"), true, "deleted"},
-		{"job complete", mkJob("complete", batchv1.JobComplete), true, "finished"},
-		{"job failed", mkJob("failed", batchv1.JobFailed), true, "finished"},
-		{"job running", mkJob("running", ""), false, ""},
-		{"identity Ichor does not know", "someone/else", false, ""},
+		{"operation deleted", deleted, lock.Verdict{Stale: true, Over: true, Why: "deleted"}},
+		{"operation deleted and created again", gone, lock.Verdict{Stale: true, Over: true, Why: "deleted"}},
+		{"operation completed", holds(w.op("done", ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded})), lock.Verdict{Stale: true, Over: true, Why: "completed"}},
+		{"operation refused", holds(w.op("refused", ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRefused})), lock.Verdict{Stale: true, Over: true, Why: "refused"}},
+		{"operation paused on a failed step", holds(w.op("failed", failed)), lock.Verdict{Stale: true, Why: "paused on a failed step"}},
+		{"operation failed with a step still in flight keeps it", holds(w.op("failing", inFlight)), lock.Verdict{}},
+		{"operation paused by an operator keeps it", holds(opPaused("op-paused", ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonPausedByOperator})), lock.Verdict{}},
+		{"failed and operator-paused keeps it", holds(opPaused("both", failed)), lock.Verdict{}},
+		{"operation running keeps it", holds(w.op("running", running)), lock.Verdict{}},
+		{"a reset holding it as the machine, running, keeps it", lock.ForOperation(w.op("reset", running, resetSpec(cpResetting.Name)), ichorv1.MachineIdentity(cpResetting.Name)), lock.Verdict{}},
+		{"machine whose Node is gone", lock.ForNode(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w.ns + "-nope", UID: "nope"}}), lock.Verdict{Stale: true, Over: true, Why: "node gone"}},
+		{"machine still joining", lock.ForNode(w.node("cp-joining", false)), lock.Verdict{}},
+		{"machine joined", lock.ForNode(w.node("cp-joined", true)), lock.Verdict{Stale: true, Over: true, Why: "join or removal done"}},
+		{"machine whose Node was created again", lock.ForNode(&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w.node("cp-again", false).Name, UID: "old"}}), lock.Verdict{Stale: true, Over: true, Why: "node gone"}},
+		{"job deleted", lock.ForJob(&batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: "gone", UID: "gone"}}), lock.Verdict{Stale: true, Over: true, Why: "deleted"}},
+		{"job complete", lock.ForJob(w.job("complete", batchv1.JobComplete)), lock.Verdict{Stale: true, Over: true, Why: "finished"}},
+		{"job failed", lock.ForJob(w.job("failed", batchv1.JobFailed)), lock.Verdict{Stale: true, Over: true, Why: "finished"}},
+		{"job running", lock.ForJob(w.job("running", "")), lock.Verdict{}},
+		{"identity Ichor does not know", lock.Holder{Identity: "someone/else", UID: "x"}, lock.Verdict{}},
 	}
 	judge := lock.ClusterJudge{Client: env.Client}
+	taker := holds(w.op("taker", running))
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			stale, why, err := judge.Stale(ctx, tt.holder)
-			if err != nil || stale != tt.stale || why != tt.why {
-				t.Fatalf("Stale(%s) = %v %q %v, want %v %q", tt.holder, stale, why, err, tt.stale, tt.why)
+			v, err := judge.Stale(ctx, tt.holder)
+			if err != nil || v != tt.want {
+				t.Fatalf("Stale(%s) = %+v %v, want %+v", tt.holder, v, err, tt.want)
 			}
 			// And through the Lease: a taker takes over exactly the stale holders.
-			l := &lock.Lock{Client: env.Client, Namespace: env.Namespace(t), Judge: judge}
-			if res, err := l.Acquire(ctx, tt.holder); err != nil || !res.Acquired {
-				t.Fatalf("seed holder: %+v %v", res, err)
-			}
-			res, err := l.Acquire(ctx, ichorv1.OperationIdentity(ns, "taker"))
+			l := newLock(env.Namespace(t))
+			mustAcquire(t, l, tt.holder)
+			res, err := l.Acquire(ctx, lock.Request{Holder: taker})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if res.Acquired != tt.stale {
-				t.Fatalf("taker acquired=%v, want %v (holder %s)", res.Acquired, tt.stale, res.Holder)
+			if res.Acquired != tt.want.Stale {
+				t.Fatalf("taker acquired=%v, want %v (holder %s)", res.Acquired, tt.want.Stale, res.Holder)
 			}
-			if tt.stale {
+			if tt.want.Stale {
 				st, _ := l.Get(ctx)
-				if want := tt.holder + " (" + tt.why + ")"; st.TakenOverFrom != want || res.TookOver != want {
+				if want := tt.holder.Identity + " (" + tt.want.Why + ")"; st.TakenOverFrom != want || res.TookOver != want {
 					t.Errorf("takeover note %q / %q, want %q", st.TakenOverFrom, res.TookOver, want)
 				}
 			}
@@ -230,37 +396,22 @@ func TestTakeoverRules(t *testing.T) {
 	}
 }
 
-// An operation lends the lock to its Job in one write and takes it back
-// once the Job is done: in between nobody else can take it, not even when
-// the Job has finished, as long as the operation goes on.
+// TestLendToJob: an operation lends the lock to its Job in one write and
+// takes it back once the Job is done: in between nobody else can take it,
+// not even when the Job has finished, as long as the operation goes on.
 func TestLendToJob(t *testing.T) {
 	ctx := context.Background()
-	l := newLock(t)
-	ns := l.Namespace
-	var ids []string
-	for _, name := range []string{"lender", "other"} {
-		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-			Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI}}
-		if err := env.Client.Create(ctx, op); err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, ichorv1.OperationIdentity(ns, name))
-	}
-	lender, other := ids[0], ids[1]
-	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "cilium"}, Spec: batchv1.JobSpec{
-		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
-			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
-	if err := env.Client.Create(ctx, job); err != nil {
-		t.Fatal(err)
-	}
-	borrower := ichorv1.JobIdentity(ns, job.Name)
+	w := newWorld(t)
+	l := newLock(w.ns)
+	lenderOp := w.op("lender", running)
+	lender, other := holds(lenderOp), holds(w.op("other", running))
+	job := w.job("cilium", "")
+	borrower := lock.ForJob(job)
 
 	if err := l.Lend(ctx, lender, borrower); err == nil {
 		t.Fatal("lent a lock the lender does not hold")
 	}
-	if res, err := l.Acquire(ctx, lender); err != nil || !res.Acquired {
-		t.Fatalf("acquire: %+v %v", res, err)
-	}
+	mustAcquire(t, l, lender)
 	for range 2 { // lending again changes nothing
 		if err := l.Lend(ctx, lender, borrower); err != nil {
 			t.Fatal(err)
@@ -270,10 +421,14 @@ func TestLendToJob(t *testing.T) {
 	if st.Holder != borrower || st.LentBy != lender || !st.Holds(lender) || !st.Holds(borrower) || st.Holds(other) {
 		t.Fatalf("after lending: %+v", st)
 	}
-	// The Job's init container finds it holds the lock; the lender still does.
-	for _, id := range []string{borrower, lender} {
-		if res, err := l.Acquire(ctx, id); err != nil || !res.Acquired {
-			t.Fatalf("%s acquire while lent: %+v %v", id, res, err)
+	// The Job's init container finds it holds the lock; the lender still
+	// does, and may confirm it.
+	for _, h := range []lock.Holder{borrower, lender} {
+		if res := mustAcquire(t, l, h); !res.AlreadyHeld {
+			t.Fatalf("%s acquire while lent: %+v", h, res)
+		}
+		if err := l.Confirm(ctx, h); err != nil {
+			t.Fatalf("%s confirm while lent: %v", h, err)
 		}
 	}
 	if st2, _ := l.Get(ctx); st2.Holder != borrower {
@@ -288,7 +443,7 @@ func TestLendToJob(t *testing.T) {
 	if err := env.Client.Status().Update(ctx, job); err != nil {
 		t.Fatal(err)
 	}
-	if res, err := l.Acquire(ctx, other); err != nil || res.Acquired {
+	if res, err := l.Acquire(ctx, lock.Request{Holder: other}); err != nil || res.Acquired {
 		t.Fatalf("another holder took a lent lock whose lender goes on: %+v %v", res, err)
 	}
 	if ok, err := l.Reclaim(ctx, other); err != nil || ok {
@@ -297,7 +452,7 @@ func TestLendToJob(t *testing.T) {
 	if ok, err := l.Reclaim(ctx, lender); err != nil || !ok {
 		t.Fatalf("reclaim: %v %v", ok, err)
 	}
-	if st, _ := l.Get(ctx); st.Holder != lender || st.LentBy != "" {
+	if st, _ := l.Get(ctx); st.Holder != lender || st.Lent() {
 		t.Fatalf("after reclaiming: %+v", st)
 	}
 	// A borrower's release gives it back, never frees it.
@@ -307,24 +462,21 @@ func TestLendToJob(t *testing.T) {
 	if _, released, err := l.Release(ctx, borrower); err != nil || !released {
 		t.Fatalf("release by the borrower: %v %v", released, err)
 	}
-	if st, _ := l.Get(ctx); st.Holder != lender || st.LentBy != "" {
+	if st, _ := l.Get(ctx); st.Holder != lender || st.Lent() {
 		t.Fatalf("after the borrower's release: %+v", st)
 	}
 	// Once the lender is gone too, the finished Job's lock is taken over.
 	if err := l.Lend(ctx, lender, borrower); err != nil {
 		t.Fatal(err)
 	}
-	if err := env.Client.Delete(ctx, &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "lender"}}); err != nil {
+	if err := env.Client.Delete(ctx, lenderOp); err != nil {
 		t.Fatal(err)
 	}
-	res, err := l.Acquire(ctx, other)
-	if err != nil || !res.Acquired {
-		t.Fatalf("taking over from a finished Job whose lender is gone: %+v %v", res, err)
-	}
-	if want := borrower + " (finished; lent by " + lender + ", deleted)"; res.TookOver != want {
+	res := mustAcquire(t, l, other)
+	if want := borrower.Identity + " (finished; lent by " + lender.Identity + ", deleted)"; res.TookOver != want {
 		t.Fatalf("took over %q, want %q", res.TookOver, want)
 	}
-	if st, _ := l.Get(ctx); st.LentBy != "" {
+	if st, _ := l.Get(ctx); st.Lent() {
 		t.Fatalf("the taker's lock still says it was lent: %+v", st)
 	}
 }

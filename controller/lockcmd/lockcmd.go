@@ -11,7 +11,9 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/watch"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -33,6 +35,8 @@ type options struct {
 	// without touching the Lease.
 	recheck time.Duration
 	client  client.WithWatch
+	// job is the parsed identity.
+	job ichorv1.LockHolder
 }
 
 // New returns the `lock` command.
@@ -60,7 +64,11 @@ func newCommand(o *options) *cobra.Command {
 			if err := o.complete(); err != nil {
 				return err
 			}
-			_, released, err := o.lock().Release(cmd.Context(), o.identity)
+			h, err := o.holder(cmd.Context())
+			if err != nil {
+				return err
+			}
+			_, released, err := o.lock().Release(cmd.Context(), h)
 			if err != nil {
 				return err
 			}
@@ -84,9 +92,14 @@ func newCommand(o *options) *cobra.Command {
 }
 
 func (o *options) complete() error {
-	if _, err := ichorv1.ParseLockHolder(o.identity); err != nil {
+	id, err := ichorv1.ParseLockHolder(o.identity)
+	if err != nil {
 		return fmt.Errorf("--identity: %w", err)
 	}
+	if id.Kind != ichorv1.HolderJob {
+		return fmt.Errorf("--identity %s: only a Job takes the lock with this command (job/<namespace>/<name>, its own Job's); the controller takes it for operations and control planes", o.identity)
+	}
+	o.job = id
 	if o.client != nil {
 		return nil
 	}
@@ -99,11 +112,30 @@ func (o *options) complete() error {
 }
 
 func (o *options) lock() *lock.Lock {
-	return &lock.Lock{Client: o.client, Namespace: o.namespace, Judge: lock.ClusterJudge{Client: o.client}}
+	judge := lock.ClusterJudge{Client: o.client}
+	return &lock.Lock{Client: o.client, Namespace: o.namespace, Judge: judge,
+		Queue: lock.ClusterQueue{Operations: o.client, Judge: judge}}
+}
+
+// holder reads the Job the identity names: the lock is held by that Job (its
+// UID), and only as long as it runs.
+func (o *options) holder(ctx context.Context) (lock.Holder, error) {
+	job := &batchv1.Job{}
+	if err := o.client.Get(ctx, client.ObjectKey{Namespace: o.job.Namespace, Name: o.job.Name}, job); err != nil {
+		if apierrors.IsNotFound(err) {
+			return lock.Holder{}, fmt.Errorf("--identity %s: Job %s/%s not found: name the Job this runs in", o.identity, o.job.Namespace, o.job.Name)
+		}
+		return lock.Holder{}, fmt.Errorf("read Job %s/%s: %w", o.job.Namespace, o.job.Name, err)
+	}
+	return lock.ForJob(job), nil
 }
 
 func (o *options) acquire(ctx context.Context, cmd *cobra.Command) error {
 	l := o.lock()
+	h, err := o.holder(ctx)
+	if err != nil {
+		return err
+	}
 	if o.wait {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, o.timeout)
@@ -111,8 +143,11 @@ func (o *options) acquire(ctx context.Context, cmd *cobra.Command) error {
 	}
 	announced := ""
 	for {
-		res, err := l.Acquire(ctx, o.identity)
+		res, err := l.Acquire(ctx, lock.Request{Holder: h})
 		if err != nil && !errors.Is(err, lock.ErrConflict) {
+			if ctx.Err() != nil && announced != "" {
+				return fmt.Errorf("waiting for the cluster lock (held by %s): %w", announced, ctx.Err())
+			}
 			return err
 		}
 		if err == nil && res.Acquired {

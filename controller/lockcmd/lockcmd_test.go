@@ -54,7 +54,7 @@ func TestLockCommand(t *testing.T) {
 	ns := env.Namespace(t)
 	first := job(t, ns, "cilium-helm")
 	firstID := ichorv1.JobIdentity(ns, first.Name)
-	secondID := ichorv1.JobIdentity(ns, "other")
+	secondID := ichorv1.JobIdentity(ns, job(t, ns, "other").Name)
 
 	out, err := run(t, ctx, "acquire", "--namespace", ns, "--identity", firstID)
 	if err != nil || out != "cluster lock taken by "+firstID+"\n" {
@@ -64,8 +64,14 @@ func TestLockCommand(t *testing.T) {
 	if err == nil || err.Error() != "the cluster lock is held by "+firstID+"; use --wait to wait for it" {
 		t.Fatalf("acquire a held lock without --wait: %v", err)
 	}
-	if _, err := run(t, ctx, "acquire", "--namespace", ns, "--identity", "nobody"); err == nil || !strings.Contains(err.Error(), "--identity") {
-		t.Fatalf("a bad identity: %v", err)
+	for identity, want := range map[string]string{
+		"nobody":                               "--identity",
+		ichorv1.JobIdentity(ns, "missing"):     "Job " + ns + "/missing not found: name the Job this runs in",
+		ichorv1.OperationIdentity(ns, "an-op"): "only a Job takes the lock with this command",
+	} {
+		if _, err := run(t, ctx, "acquire", "--namespace", ns, "--identity", identity); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("acquire --identity %s: %v, want an error with %q", identity, err, want)
+		}
 	}
 
 	// --wait returns once the holder is stale: its Job finished.
@@ -77,8 +83,8 @@ func TestLockCommand(t *testing.T) {
 		done <- err
 	}()
 	l := &lock.Lock{Client: env.Client, Namespace: ns}
-	if st, _ := l.Get(ctx); st.Holder != firstID {
-		t.Fatalf("holder %q", st.Holder)
+	if st, _ := l.Get(ctx); st.Holder.Identity != firstID || st.Holder.UID != first.UID {
+		t.Fatalf("holder %s", st.Holder)
 	}
 	now := metav1.Now()
 	first.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
@@ -104,8 +110,8 @@ func TestLockCommand(t *testing.T) {
 	if err != nil || out != "cluster lock released by "+secondID+"\n" {
 		t.Fatalf("release: %q %v", out, err)
 	}
-	if st, _ := l.Get(ctx); st.Holder != "" {
-		t.Fatalf("still held by %q", st.Holder)
+	if st, _ := l.Get(ctx); !st.Free() {
+		t.Fatalf("still held by %s", st.Holder)
 	}
 
 	// --wait gives up at its timeout, saying whom it waited for.

@@ -57,7 +57,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		For(&corev1.Node{}, builder.WithPredicates(controlPlane)).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.pending), builder.WithPredicates(predicate.NewPredicateFuncs(func(o client.Object) bool {
 			return o.GetNamespace() == r.Lock.Namespace && o.GetName() == ichorv1.LockLeaseName
-		}))).
+		}), lock.Changed())).
 		WithOptions(controller.Options{SkipNameValidation: ptr.To(true)}).
 		Complete(r)
 }
@@ -69,18 +69,17 @@ func (r *Reconciler) Reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 }
 
 func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Result, error) {
-	id := ichorv1.MachineIdentity(req.Name)
 	node := &corev1.Node{}
 	err := r.Client.Get(ctx, req.NamespacedName, node)
 	if apierrors.IsNotFound(err) {
-		return ctrl.Result{}, r.release(ctx, id, nil, "removed")
+		return ctrl.Result{}, r.gone(ctx, req.Name)
 	}
 	if err != nil {
 		return ctrl.Result{}, err
 	}
 	switch {
 	case !node.DeletionTimestamp.IsZero():
-		return ctrl.Result{}, r.take(ctx, id, node, "removal")
+		return ctrl.Result{}, r.take(ctx, node, "removal")
 	case machine.Ready(node):
 		if node.Annotations[JoinedAnnotation] != "true" {
 			patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"true"}}}`, JoinedAnnotation)
@@ -88,18 +87,16 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 				return ctrl.Result{}, fmt.Errorf("mark %s joined: %w", node.Name, err)
 			}
 		}
-		return ctrl.Result{}, r.release(ctx, id, node, "joined")
+		return ctrl.Result{}, r.release(ctx, lock.ForNode(node), node, "joined")
 	case node.Annotations[JoinedAnnotation] != "true":
-		return ctrl.Result{}, r.take(ctx, id, node, "join")
+		return ctrl.Result{}, r.take(ctx, node, "join")
 	}
 	return ctrl.Result{}, nil
 }
 
-func (r *Reconciler) take(ctx context.Context, id string, node *corev1.Node, what string) error {
-	if st, err := r.Lock.Get(ctx); err != nil || st.Holder == id {
-		return err
-	}
-	res, err := r.Lock.Acquire(ctx, id)
+func (r *Reconciler) take(ctx context.Context, node *corev1.Node, what string) error {
+	h := lock.ForNode(node)
+	res, err := r.Lock.Acquire(ctx, lock.Request{Holder: h})
 	if err != nil {
 		return fmt.Errorf("taking the cluster lock for the control-plane %s: %w", what, err)
 	}
@@ -109,9 +106,22 @@ func (r *Reconciler) take(ctx context.Context, id string, node *corev1.Node, wha
 		r.Log.Info("control-plane "+what+" while the cluster lock is held", "node", node.Name, "holder", res.Holder)
 		return nil
 	}
+	if res.AlreadyHeld {
+		return nil
+	}
 	r.Recorder.Eventf(node, nil, corev1.EventTypeNormal, "ClusterLockTaken", "ClusterLockTaken",
-		"control-plane %s: the cluster lock is held as %s until it is done", what, id)
+		"control-plane %s: the cluster lock is held as %s until it is done", what, h.Identity)
 	return nil
+}
+
+// gone releases the lock a membership change of a Node that no longer
+// exists holds, whatever its UID was.
+func (r *Reconciler) gone(ctx context.Context, name string) error {
+	st, err := r.Lock.Get(ctx)
+	if err != nil || st.Holder.Object != (ichorv1.LockObject{Kind: ichorv1.ObjectNode, Name: name}) {
+		return err
+	}
+	return r.release(ctx, st.Holder, nil, "removed")
 }
 
 // pending maps a change of the lock Lease to the control planes that
@@ -132,13 +142,14 @@ func (r *Reconciler) pending(ctx context.Context, _ client.Object) []reconcile.R
 	return out
 }
 
-func (r *Reconciler) release(ctx context.Context, id string, node *corev1.Node, why string) error {
-	_, released, err := r.Lock.Release(ctx, id)
+// release lets go of the lock h holds, if it still holds it.
+func (r *Reconciler) release(ctx context.Context, h lock.Holder, node *corev1.Node, why string) error {
+	_, released, err := r.Lock.Release(ctx, h)
 	if err != nil {
-		return fmt.Errorf("releasing the cluster lock of %s: %w", id, err)
+		return fmt.Errorf("releasing the cluster lock of %s: %w", h.Identity, err)
 	}
 	if released {
-		r.Log.Info("control-plane membership change done; cluster lock released", "identity", id, "why", why)
+		r.Log.Info("control-plane membership change done; cluster lock released", "identity", h.Identity, "why", why)
 		if node != nil {
 			r.Recorder.Eventf(node, nil, corev1.EventTypeNormal, "ClusterLockReleased", "ClusterLockReleased", "control plane %s: cluster lock released", why)
 		}

@@ -498,8 +498,8 @@ func TestCNIAndIchorRefusals(t *testing.T) {
 			if jobs := jobsOf(t, op); len(jobs) != 0 {
 				t.Errorf("a refused operation started %d Jobs", len(jobs))
 			}
-			if h := c.lockHolder(); h.Holder != "" {
-				t.Errorf("a refused operation holds the lock: %q", h.Holder)
+			if h := c.lockHolder(); !h.Free() {
+				t.Errorf("a refused operation holds the lock: %q", h.Holder.Identity)
 			}
 			var revisions corev1.SecretList
 			if err := env.Client.List(context.Background(), &revisions, client.InNamespace(cilium.Namespace), client.MatchingLabels{"owner": "helm", "name": cilium.Release}); err != nil || len(revisions.Items) != 1 {

@@ -214,10 +214,11 @@ func (t *turn) countCalls() {
 // turn wrote it) records as in progress and that are not running or done
 // already. A step it cannot start is reported (a log line and a Warning
 // Event), never silently dropped, and again says to look again soon.
-func (t *turn) launch(ctx context.Context) (again bool) {
+func (t *turn) launch(ctx context.Context) (again bool, err error) {
 	if !t.canLaunch {
-		return false
+		return false, nil
 	}
+	confirmed := false
 	op := t.persisted
 	for _, m := range op.Status.Machines {
 		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
@@ -242,6 +243,13 @@ func (t *turn) launch(ctx context.Context) (again bool) {
 		if step.Irreversible && (m.Calls == 0 || t.r.runner.counted(stepKey{k, m.Step, m.Attempts}) != m.Calls) {
 			continue // its run is not counted in persisted status yet: the next turn counts it
 		}
+		if !confirmed {
+			// The cache this turn read may be behind a takeover.
+			if err := t.r.Lock.Confirm(ctx, t.holder()); err != nil {
+				return again, fmt.Errorf("not starting %s on %s: %w", m.Step, m.Name, err)
+			}
+			confirmed = true
+		}
 		timeout := step.Timeout
 		if timeout == 0 {
 			timeout = t.r.StepTimeout
@@ -253,7 +261,7 @@ func (t *turn) launch(ctx context.Context) (again bool) {
 			again = true
 		}
 	}
-	return again
+	return again, nil
 }
 
 // notStarted reports a step that persisted status records as in progress

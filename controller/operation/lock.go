@@ -6,41 +6,29 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/lock"
 )
 
 // acquire takes (or confirms) the cluster lock. Operations take a free lock
 // in creation order: a newer one leaves it to an older one that wants it.
 func (t *turn) acquire(ctx context.Context) (bool, error) {
-	id := t.identity()
-	st, err := t.r.Lock.Get(ctx)
-	if err != nil {
-		return false, err
-	}
-	if !st.Holds(id) {
-		// Whether the lock is free, held, or held by someone stale: an
-		// older operation that wants it too goes first.
-		older, err := t.olderInQueue(ctx)
-		if err != nil {
-			return false, err
-		}
-		if older != "" {
-			holder := st.Holder
-			if holder == "" {
-				holder = older
-			}
-			t.wait(holder, "waiting for the cluster lock: the older operation "+older+" goes first")
-			return false, nil
-		}
-	}
-	res, err := t.r.Lock.Acquire(ctx, id)
+	place := t.persisted.QueuePlace()
+	res, err := t.r.Lock.Acquire(ctx, lock.Request{Holder: t.holder(), Place: &place})
 	if err != nil {
 		return false, fmt.Errorf("taking the cluster lock: %w", err)
 	}
 	if !res.Acquired {
+		if res.Ahead != "" {
+			holder := res.Holder
+			if holder == "" {
+				holder = res.Ahead
+			}
+			t.wait(holder, "waiting for the cluster lock: the older "+res.Ahead+" goes first")
+			return false, nil
+		}
 		t.wait(res.Holder, fmt.Sprintf("waiting for the cluster lock, held by %s since %s", res.Holder, res.Since.UTC().Format(time.RFC3339)))
 		return false, nil
 	}
@@ -50,7 +38,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 		if res.TookOver != "" {
 			t.event(corev1.EventTypeNormal, "LockTakenOver", "took the cluster lock over from %s", res.TookOver)
 		} else {
-			t.event(corev1.EventTypeNormal, "LockAcquired", "holds the cluster lock as %s", id)
+			t.event(corev1.EventTypeNormal, "LockAcquired", "holds the cluster lock as %s", res.Holder)
 		}
 	}
 	status.Lock, status.LockHolder = ichorv1.LockHeld, ""
@@ -77,59 +65,21 @@ func (t *turn) identity() string {
 	return ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
 }
 
-// olderInQueue names the oldest operation created before this one that
-// wants the lock too: not finished, failed, deleted or paused by an operator.
-func (t *turn) olderInQueue(ctx context.Context) (string, error) {
-	var ops ichorv1.TalosOperationList
-	if err := t.r.Client.List(ctx, &ops, client.UnsafeDisableDeepCopy); err != nil {
-		return "", fmt.Errorf("list operations: %w", err)
-	}
-	me := t.persisted
-	older := func(o *ichorv1.TalosOperation) bool {
-		if o.CreationTimestamp.Equal(&me.CreationTimestamp) {
-			return o.Namespace+"/"+o.Name < me.Namespace+"/"+me.Name
-		}
-		return o.CreationTimestamp.Before(&me.CreationTimestamp)
-	}
-	var first *ichorv1.TalosOperation
-	for i := range ops.Items {
-		o := &ops.Items[i]
-		if o.UID == me.UID || !older(o) || !o.DeletionTimestamp.IsZero() || o.Spec.Paused ||
-			o.Succeeded() || o.Refused() || o.StepFailed() || t.r.Executors[o.Spec.Kind] == nil {
-			continue
-		}
-		if first == nil || o.CreationTimestamp.Before(&first.CreationTimestamp) {
-			first = o
-		}
-	}
-	if first == nil {
-		return "", nil
-	}
-	return ichorv1.OperationIdentity(first.Namespace, first.Name), nil
-}
+// holder is who holds the lock for this operation: the operation itself
+// (by UID), under its identity.
+func (t *turn) holder() lock.Holder { return lock.ForOperation(t.persisted, t.identity()) }
 
-// release lets go of the cluster lock if this operation holds it.
+// release lets go of the cluster lock if this operation holds it, under
+// whichever identity (its own, or its machine's for a reset).
 func (r *Reconciler) release(ctx context.Context, op *ichorv1.TalosOperation) error {
-	for _, id := range []string{ichorv1.OperationIdentity(op.Namespace, op.Name), r.machineIdentity(op)} {
-		if id == "" {
-			continue
-		}
-		held, released, err := r.Lock.Release(ctx, id)
-		if err != nil {
-			return fmt.Errorf("releasing the cluster lock: %w", err)
-		}
-		if released {
-			lockHeld.Set(0)
-			lockHeldSeconds.Add(held.Seconds())
-			r.Recorder.Eventf(op, nil, corev1.EventTypeNormal, "LockReleased", "LockReleased", "released the cluster lock after %s", held.Round(time.Millisecond))
-		}
+	held, released, err := r.Lock.Release(ctx, lock.ForOperation(op, ichorv1.OperationIdentity(op.Namespace, op.Name)))
+	if err != nil {
+		return fmt.Errorf("releasing the cluster lock: %w", err)
+	}
+	if released {
+		lockHeld.Set(0)
+		lockHeldSeconds.Add(held.Seconds())
+		r.Recorder.Eventf(op, nil, corev1.EventTypeNormal, "LockReleased", "LockReleased", "released the cluster lock after %s", held.Round(time.Millisecond))
 	}
 	return nil
-}
-
-func (r *Reconciler) machineIdentity(op *ichorv1.TalosOperation) string {
-	if op.Spec.Kind == ichorv1.KindNode && op.Spec.Node != nil && op.Spec.Node.Action == ichorv1.NodeReset {
-		return ichorv1.MachineIdentity(op.Spec.Node.Machine)
-	}
-	return ""
 }

@@ -78,8 +78,8 @@ spec: {kind: node, node: {machine: %[3]s, action: reboot}}
 		m := entryOf(op, w1)
 		return m != nil && m.Step == "install"
 	})
-	if h := c.lockHolder(); h.Holder != first {
-		t.Errorf("lock held by %q, want %q", h.Holder, first)
+	if h := c.lockHolder(); h.Holder.Identity != first {
+		t.Errorf("lock held by %s, want %q", h.Holder, first)
 	}
 	release()
 	a := c.waitSucceeded("a-upgrade", time.Minute)
@@ -175,7 +175,8 @@ func TestTakeover(t *testing.T) {
 		w1 := c.fleet.Machines()[1].Name()
 		// A holder that no longer exists, as after a controller was removed mid-operation.
 		l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
-		if _, err := l.Acquire(context.Background(), ichorv1.OperationIdentity(c.ns, "gone")); err != nil {
+		gone := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "gone", UID: "gone"}}
+		if _, err := l.Acquire(context.Background(), lock.Request{Holder: lock.ForOperation(gone, ichorv1.OperationIdentity(c.ns, "gone"))}); err != nil {
 			t.Fatal(err)
 		}
 		c.start()
@@ -204,13 +205,13 @@ func TestDeleteWaitsForTheStep(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.waitFor("upgrade", "to be marked deleted", time.Minute, func(op *ichorv1.TalosOperation) bool { return !op.DeletionTimestamp.IsZero() })
-	if h := c.lockHolder(); h.Holder != ichorv1.OperationIdentity(c.ns, "upgrade") {
-		t.Fatalf("the lock was let go mid-step: holder %q", h.Holder)
+	if h := c.lockHolder(); h.Holder.Identity != ichorv1.OperationIdentity(c.ns, "upgrade") {
+		t.Fatalf("the lock was let go mid-step: holder %s", h.Holder)
 	}
 	release()
 	waitGone(t, c.ns, "upgrade")
-	if h := c.lockHolder(); h.Holder != "" {
-		t.Errorf("lock still held by %q", h.Holder)
+	if h := c.lockHolder(); !h.Free() {
+		t.Errorf("lock still held by %s", h.Holder)
 	}
 }
 
@@ -240,8 +241,8 @@ func TestDeleteMidReboot(t *testing.T) {
 	c.waitFor("a-reboot", "to say it waits for the machine", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		return strings.HasPrefix(op.Status.Message, "deleted: the steps in flight settle")
 	})
-	if h := c.lockHolder(); h.Holder != ichorv1.OperationIdentity(c.ns, "a-reboot") {
-		t.Fatalf("the lock was let go with %s still rebooting: holder %q", w1, h.Holder)
+	if h := c.lockHolder(); h.Holder.Identity != ichorv1.OperationIdentity(c.ns, "a-reboot") {
+		t.Fatalf("the lock was let go with %s still rebooting: holder %q", w1, h.Holder.Identity)
 	}
 	comeBack()
 	waitGone(t, c.ns, "a-reboot")
@@ -286,7 +287,7 @@ func TestJobHolder(t *testing.T) {
 	}
 	id := ichorv1.JobIdentity(c.ns, job.Name)
 	l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
-	if res, err := l.Acquire(ctx, id); err != nil || !res.Acquired {
+	if res, err := l.Acquire(ctx, lock.Request{Holder: lock.ForJob(job)}); err != nil || !res.Acquired {
 		t.Fatalf("the Job takes the lock: %+v %v", res, err)
 	}
 	c.start()

@@ -19,7 +19,7 @@ import (
 func (c *cluster) waitLockHolder(want string) {
 	c.t.Helper()
 	testenv.Eventually(c.t, time.Minute, "the lock to be held by "+orNobody(want), func(context.Context) (bool, error) {
-		return c.lockHolder().Holder == want, nil
+		return c.lockHolder().Holder.Identity == want, nil
 	})
 }
 

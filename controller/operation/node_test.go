@@ -155,8 +155,8 @@ func TestNodeActionRefusals(t *testing.T) {
 					t.Errorf("%s called %d times on a refused operation", method, n)
 				}
 			}
-			if h := c.lockHolder(); h.Holder != "" {
-				t.Errorf("a refused operation holds the lock: %q", h.Holder)
+			if h := c.lockHolder(); !h.Free() {
+				t.Errorf("a refused operation holds the lock: %s", h.Holder)
 			}
 		})
 	}

@@ -397,7 +397,11 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 		if err := t.write(ctx); err != nil {
 			return ctrl.Result{}, client.IgnoreNotFound(err)
 		}
-		if t.launch(ctx) {
+		again, err := t.launch(ctx)
+		if err != nil {
+			return ctrl.Result{}, err
+		}
+		if again {
 			result = lookAgainSoon(result)
 		}
 		if !t.op.Settled() {

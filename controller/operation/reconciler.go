@@ -99,7 +99,10 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	switch {
 	case !op.DeletionTimestamp.IsZero():
 		return t.reconcileDelete(ctx)
-	case !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer):
+	case !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) || !lock.Arrived(op):
+		// One write, the first time the controller sees the operation: its
+		// finalizer, and its place in the queue for the cluster lock.
+		lock.RecordArrival(op)
 		controllerutil.AddFinalizer(op, ichorv1.Finalizer)
 		return ctrl.Result{}, r.Client.Update(ctx, op)
 	case over(op):
@@ -129,7 +132,11 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 		// Let the next operation in at once, not a watch round trip later.
 		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRetry(ctx))
 	}
-	if t.launch(ctx) {
+	again, err := t.launch(ctx)
+	if err != nil {
+		return ctrl.Result{}, errors.Join(err, t.removeRetry(ctx))
+	}
+	if again {
 		result = lookAgainSoon(result)
 	}
 	return result, t.removeRetry(ctx)

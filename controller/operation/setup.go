@@ -22,6 +22,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/machine"
 )
 
@@ -49,7 +50,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(nodeChanged())).
 		// An operation that ends, fails or goes away may let a waiting one take its turn.
 		Watches(&ichorv1.TalosOperation{}, handler.EnqueueRequestsFromMapFunc(r.waiters), builder.WithPredicates(turnChanged())).
-		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName))).
+		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName), lock.Changed())).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
 		// A Job holding the lock (the Cilium Helm Job) is stale once it
 		// finishes or goes: its changes wake the waiters. Metadata is enough
@@ -77,7 +78,7 @@ func (r *Reconciler) jobHolder(ctx context.Context, job client.Object) []reconci
 		out = append(out, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: ns, Name: name}})
 	}
 	st, err := r.Lock.Get(ctx)
-	if err != nil || st.Holder != ichorv1.JobIdentity(job.GetNamespace(), job.GetName()) {
+	if err != nil || st.Holder.Object != (ichorv1.LockObject{Kind: ichorv1.ObjectJob, Namespace: job.GetNamespace(), Name: job.GetName()}) {
 		return out
 	}
 	return append(out, r.waiters(ctx, job)...)

@@ -222,7 +222,7 @@ func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
 		Op: t.persisted, Machine: m, Node: n, Address: addr, ControlPlanes: t.controlPlanes(),
 		Kube: t.r.Client, Clientset: t.r.Clientset,
 		Identity: ichorv1.OperationIdentity(t.op.Namespace, t.op.Name), Log: t.log,
-		Nodes: t.nodes, Live: t.r.live(), Lock: t.r.Lock, Controller: t.r.Controller,
+		Nodes: t.nodes, Live: t.r.live(), Lock: t.r.Lock, Holder: t.holder(), Controller: t.r.Controller,
 	}
 	if t.talos != nil {
 		e.Talos = t.talos.Client
