@@ -56,7 +56,9 @@ func (c *cluster) watchLease() *leaseHistory {
 	return h
 }
 
-func (c leaseChange) String() string { return orNobody(c.holder) + " at " + c.at.Format("15:04:05.000") }
+func (c leaseChange) String() string {
+	return orNobody(c.holder) + " at " + c.at.Format("15:04:05.000")
+}
 
 // since returns the changes from the first time want took the lock on.
 func (h *leaseHistory) since(want string) []leaseChange {
