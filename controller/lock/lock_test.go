@@ -117,7 +117,7 @@ var (
 	failed  = ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "UpgradeFailed"}
 	// inFlight failed on one machine while another still reboots.
 	inFlight = ichorv1.TalosOperationStatus{Phase: ichorv1.PhasePaused, Reason: ichorv1.ReasonStepFailed, FailureReason: "UpgradeFailed",
-		Machines: []ichorv1.MachineStatus{{Name: "w1", Phase: ichorv1.MachineFailed, Step: "install"}, {Name: "w2", Phase: ichorv1.MachineInProgress, Step: "reboot"}}}
+		Machines: []ichorv1.MachineStatus{{Name: "w1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineFailed, Step: "install"}, {Name: "w2", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "reboot"}}}
 )
 
 func mustAcquire(t *testing.T, l *lock.Lock, h lock.Holder) lock.Result {
