@@ -80,6 +80,7 @@ func (s *TalosOperationStatus) FailedMachine() *MachineStatus {
 	}
 	return nil
 }
+
 // Summary says what a config rollout does, like "config (2 patches, auto)":
 // status.target, and the plugin's view before the controller has set it.
 func (c *ConfigRollout) Summary() string {
