@@ -12,7 +12,6 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/util/retry"
 
 	"google.golang.org/grpc/codes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -242,7 +241,7 @@ func TestDeleteMidReboot(t *testing.T) {
 		return strings.HasPrefix(op.Status.Message, "deleted: the steps in flight settle")
 	})
 	if h := c.lockHolder(); h.Holder.Identity != ichorv1.OperationIdentity(c.ns, "a-reboot") {
-		t.Fatalf("the lock was let go with %s still rebooting: holder %q", w1, h.Holder.Identity)
+		t.Fatalf("the lock was let go with %s still rebooting: holder %s", w1, h.Holder)
 	}
 	comeBack()
 	waitGone(t, c.ns, "a-reboot")
@@ -276,12 +275,9 @@ func waitGone(t *testing.T, ns, name string) {
 func TestJobHolder(t *testing.T) {
 	ctx := context.Background()
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	// Its pod runs until the test finishes the Job (the simulated kubelet
-	// would end a Job's pod after a short default delay).
 	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "cilium-helm"}, Spec: batchv1.JobSpec{
-		Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{sim.RunForAnnotation: "1h"}},
-			Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
-				Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
+		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
 	if err := env.Client.Create(ctx, job); err != nil {
 		t.Fatal(err)
 	}
@@ -295,23 +291,11 @@ func TestJobHolder(t *testing.T) {
 	c.waitFor("reboot", "to wait for the Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		return op.Status.Reason == ichorv1.ReasonClusterLockHeld && op.Status.LockHolder == id
 	})
-	// The Job controller writes the Job's status too: write on the latest,
-	// keeping its startTime (immutable once set).
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		if err := env.Client.Get(ctx, client.ObjectKeyFromObject(job), job); err != nil {
-			return err
-		}
-		now := metav1.Now()
-		start := job.Status.StartTime
-		if start == nil {
-			start = &now
-		}
-		job.Status = batchv1.JobStatus{StartTime: start, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
-			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
-		return env.Client.Status().Update(ctx, job)
-	})
-	if err != nil {
+	now := metav1.Now()
+	job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
+		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
+	if err := env.Client.Status().Update(ctx, job); err != nil {
 		t.Fatal(err)
 	}
 	c.waitSucceeded("reboot", time.Minute)
