@@ -36,9 +36,10 @@ func rebootSpec(machine string) ichorv1.TalosOperationSpec {
 	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: machine, Action: ichorv1.NodeReboot}}
 }
 
-// TestOperationsTakeTurns: two operations written back to back with the
-// real kubectl take the cluster lock one after the other, whoever wrote
-// them; the second waits, Paused with ClusterLockHeld naming the first.
+// TestOperationsTakeTurns: three operations written in one go with the
+// real kubectl take the cluster lock one after the other, in the order the
+// API server created them, which is not the order their names sort in; the
+// later ones wait, Paused with ClusterLockHeld naming the holder.
 func TestOperationsTakeTurns(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 2))
 	// A slow enough first operation that the others see it hold the lock.
@@ -47,17 +48,17 @@ func TestOperationsTakeTurns(t *testing.T) {
 	c.start()
 	manifest := fmt.Sprintf(`apiVersion: ichor.maesh.dev/v1alpha1
 kind: TalosOperation
-metadata: {name: a-upgrade, namespace: %[1]s}
+metadata: {name: z-upgrade, namespace: %[1]s}
 spec: {kind: talos, talos: {version: v1.13.7}}
 ---
 apiVersion: ichor.maesh.dev/v1alpha1
 kind: TalosOperation
-metadata: {name: b-reboot, namespace: %[1]s}
+metadata: {name: m-reboot, namespace: %[1]s}
 spec: {kind: node, node: {machine: %[2]s, action: reboot}}
 ---
 apiVersion: ichor.maesh.dev/v1alpha1
 kind: TalosOperation
-metadata: {name: c-reboot, namespace: %[1]s}
+metadata: {name: a-reboot, namespace: %[1]s}
 spec: {kind: node, node: {machine: %[3]s, action: reboot}}
 `, c.ns, w2, cp1)
 	path := filepath.Join(t.TempDir(), "ops.yaml")
@@ -66,14 +67,16 @@ spec: {kind: node, node: {machine: %[3]s, action: reboot}}
 	}
 	c.kubectl("apply", "-f", path)
 
-	first := ichorv1.OperationIdentity(c.ns, "a-upgrade")
-	b := c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		return op.Status.Reason == ichorv1.ReasonClusterLockHeld
-	})
-	if b.Status.Phase != ichorv1.PhasePaused || b.Status.LockHolder != first || b.Status.Lock != ichorv1.LockWaiting {
-		t.Errorf("b-reboot: phase %s lock %s holder %q, want Paused, Waiting, %q", b.Status.Phase, b.Status.Lock, b.Status.LockHolder, first)
+	first := ichorv1.OperationIdentity(c.ns, "z-upgrade")
+	for _, name := range []string{"m-reboot", "a-reboot"} {
+		op := c.waitFor(name, "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+			return op.Status.Reason == ichorv1.ReasonClusterLockHeld
+		})
+		if op.Status.Phase != ichorv1.PhasePaused || op.Status.LockHolder != first || op.Status.Lock != ichorv1.LockWaiting {
+			t.Errorf("%s: phase %s lock %s holder %q, want Paused, Waiting, %q", name, op.Status.Phase, op.Status.Lock, op.Status.LockHolder, first)
+		}
 	}
-	c.waitFor("a-upgrade", "to hang in its install", time.Minute, func(op *ichorv1.TalosOperation) bool {
+	c.waitFor("z-upgrade", "to hang in its install", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		m := entryOf(op, w1)
 		return m != nil && m.Step == "install"
 	})
@@ -81,19 +84,29 @@ spec: {kind: node, node: {machine: %[3]s, action: reboot}}
 		t.Errorf("lock held by %s, want %q", h.Holder, first)
 	}
 	release()
-	a := c.waitSucceeded("a-upgrade", time.Minute)
-	b = c.waitSucceeded("b-reboot", time.Minute)
-	cOp := c.waitSucceeded("c-reboot", time.Minute)
-	if b.Status.StartTime.Before(a.Status.CompletionTime) || cOp.Status.StartTime.Before(b.Status.CompletionTime) {
-		t.Errorf("not one after the other: a done %s, b %s-%s, c from %s", a.Status.CompletionTime, b.Status.StartTime, b.Status.CompletionTime, cOp.Status.StartTime)
+	z := c.waitSucceeded("z-upgrade", time.Minute)
+	m := c.waitSucceeded("m-reboot", time.Minute)
+	a := c.waitSucceeded("a-reboot", time.Minute)
+	if m.Status.StartTime.Before(z.Status.CompletionTime) || a.Status.StartTime.Before(m.Status.CompletionTime) {
+		t.Errorf("not one after the other in creation order: z-upgrade done %s, m-reboot %s-%s, a-reboot from %s",
+			z.Status.CompletionTime, m.Status.StartTime, m.Status.CompletionTime, a.Status.StartTime)
 	}
-	// Waiters go in creation order: b's reboot before c's.
-	last := func(m string) time.Time {
-		acts := c.fleet.Recorder().Actions(m)
-		return acts[len(acts)-1].Start
+	// The reboots went in creation order too: m-reboot's before a-reboot's
+	// (the last reboot of each machine: z-upgrade rebooted them as well).
+	rebooted := func(machine string) time.Time {
+		var last time.Time
+		for _, act := range c.fleet.Recorder().Actions(machine) {
+			if act.Kind == sim.ActionReboot {
+				last = act.Start
+			}
+		}
+		if last.IsZero() {
+			t.Fatalf("%s was not rebooted", machine)
+		}
+		return last
 	}
-	if !last(w2).Before(last(cp1)) {
-		t.Errorf("c-reboot (%s) went before b-reboot (%s)", last(cp1), last(w2))
+	if !rebooted(w2).Before(rebooted(cp1)) {
+		t.Errorf("a-reboot (%s) rebooted before m-reboot (%s), which the API server created before it", rebooted(cp1), rebooted(w2))
 	}
 	if o := c.fleet.Recorder().Overlaps(); len(o) > 0 {
 		t.Errorf("disruptive actions overlapped: %+v", o)
