@@ -35,8 +35,9 @@ type options struct {
 	// without touching the Lease.
 	recheck time.Duration
 	client  client.WithWatch
-	// job is the parsed identity.
-	job ichorv1.LockHolder
+	// job is the parsed identity, jobObj the Job it names.
+	job    ichorv1.LockHolder
+	jobObj *batchv1.Job
 }
 
 // New returns the `lock` command.
@@ -127,6 +128,7 @@ func (o *options) holder(ctx context.Context) (lock.Holder, error) {
 		}
 		return lock.Holder{}, fmt.Errorf("read Job %s/%s: %w", o.job.Namespace, o.job.Name, err)
 	}
+	o.jobObj = job
 	return lock.ForJob(job), nil
 }
 
@@ -141,12 +143,18 @@ func (o *options) acquire(ctx context.Context, cmd *cobra.Command) error {
 		ctx, cancel = context.WithTimeout(ctx, o.timeout)
 		defer cancel()
 	}
+	place, err := o.place(ctx, l, h)
+	if err != nil {
+		return err
+	}
 	announced := ""
 	for {
-		res, err := l.Acquire(ctx, lock.Request{Holder: h})
+		// With --wait the Job queues in the Lease, so the operations created
+		// after it wait for it in turn.
+		res, err := l.Acquire(ctx, lock.Request{Holder: h, Place: &place, Queue: o.wait})
 		if err != nil && !errors.Is(err, lock.ErrConflict) {
 			if ctx.Err() != nil && announced != "" {
-				return fmt.Errorf("waiting for the cluster lock (held by %s): %w", announced, ctx.Err())
+				return o.giveUp(l, h, fmt.Errorf("waiting for the cluster lock (%s): %w", announced, ctx.Err()))
 			}
 			return err
 		}
@@ -158,17 +166,55 @@ func (o *options) acquire(ctx context.Context, cmd *cobra.Command) error {
 			fmt.Fprintln(cmd.OutOrStdout(), msg)
 			return nil
 		}
+		why := waitingFor(res)
 		if !o.wait {
-			return fmt.Errorf("the cluster lock is held by %s; use --wait to wait for it", res.Holder)
+			return fmt.Errorf("the cluster lock is not free: %s; use --wait to wait for it", why)
 		}
-		if res.Holder != announced && res.Holder != "" {
-			fmt.Fprintf(cmd.ErrOrStderr(), "waiting for the cluster lock, held by %s\n", res.Holder)
-			announced = res.Holder
+		if why != announced && err == nil {
+			fmt.Fprintf(cmd.ErrOrStderr(), "waiting for the cluster lock: %s\n", why)
+			announced = why
 		}
 		if err := o.waitForChange(ctx); err != nil {
-			return fmt.Errorf("waiting for the cluster lock (held by %s): %w", res.Holder, err)
+			return o.giveUp(l, h, fmt.Errorf("waiting for the cluster lock (%s): %w", announced, err))
 		}
 	}
+}
+
+// waitingFor says why a taker waits: the holder, or the waiter that goes
+// before it.
+func waitingFor(res lock.Result) string {
+	switch {
+	case res.Ahead != "" && res.Holder != "":
+		return "held by " + res.Holder + ", and " + res.Ahead + " goes first"
+	case res.Ahead != "":
+		return res.Ahead + " goes first"
+	}
+	return "held by " + res.Holder
+}
+
+// place is the Job's place in the queue: where the Lease records it, or,
+// the first time it asks, its creation time and its resourceVersion now.
+func (o *options) place(ctx context.Context, l *lock.Lock, h lock.Holder) (ichorv1.QueuePlace, error) {
+	st, err := l.Get(ctx)
+	if err != nil {
+		return ichorv1.QueuePlace{}, err
+	}
+	if p, ok := st.Place(h); ok {
+		return p, nil
+	}
+	return ichorv1.QueuePlace{Created: o.jobObj.CreationTimestamp, Revision: o.jobObj.ResourceVersion,
+		Name: o.jobObj.Namespace + "/" + o.jobObj.Name}, nil
+}
+
+// giveUp takes a Job that stops waiting out of the queue, so that nobody
+// waits for it, and returns err.
+func (o *options) giveUp(l *lock.Lock, h lock.Holder, err error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if werr := l.Withdraw(ctx, h); werr != nil {
+		return fmt.Errorf("%w (and leaving the queue: %v)", err, werr)
+	}
+	return err
 }
 
 // waitForChange returns when the Lease changes or the recheck period ends.

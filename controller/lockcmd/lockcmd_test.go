@@ -61,7 +61,7 @@ func TestLockCommand(t *testing.T) {
 		t.Fatalf("acquire a free lock: %q %v", out, err)
 	}
 	_, err = run(t, ctx, "acquire", "--namespace", ns, "--identity", secondID)
-	if err == nil || err.Error() != "the cluster lock is held by "+firstID+"; use --wait to wait for it" {
+	if err == nil || err.Error() != "the cluster lock is not free: held by "+firstID+"; use --wait to wait for it" {
 		t.Fatalf("acquire a held lock without --wait: %v", err)
 	}
 	for identity, want := range map[string]string{
@@ -128,5 +128,90 @@ func TestLockCommand(t *testing.T) {
 	_, err = run(t, ctx, "acquire", "--namespace", ns, "--identity", secondID, "--wait", "--timeout", "300ms")
 	if err == nil || !strings.Contains(err.Error(), "held by "+ichorv1.JobIdentity(ns, "still-running")) {
 		t.Fatalf("acquire --wait past its timeout: %v", err)
+	}
+}
+
+// reboot creates an operation that wants the cluster lock.
+func reboot(t *testing.T, ns, name string) *ichorv1.TalosOperation {
+	t.Helper()
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: "w-1", Action: ichorv1.NodeReboot}}}
+	if err := env.Client.Create(context.Background(), op); err != nil {
+		t.Fatal(err)
+	}
+	return op
+}
+
+// TestJobHonoursTheQueue: a Job that asks for the cluster lock waits for the
+// operations created before it, even when the lock is free to take (its
+// holder finished), and the operations created after it wait for it.
+func TestJobHonoursTheQueue(t *testing.T) {
+	ctx := context.Background()
+	ns := env.Namespace(t)
+	judge := lock.ClusterJudge{Client: env.Client}
+	l := &lock.Lock{Client: env.Client, Namespace: ns, Judge: judge, Queue: lock.ClusterQueue{Operations: env.Client, Judge: judge}}
+	holder := job(t, ns, "holder")
+	if _, err := run(t, ctx, "acquire", "--namespace", ns, "--identity", ichorv1.JobIdentity(ns, holder.Name)); err != nil {
+		t.Fatal(err)
+	}
+	older := reboot(t, ns, "older")
+	waiter := job(t, ns, "cilium-helm")
+	waiterID := ichorv1.JobIdentity(ns, waiter.Name)
+	finish(t, holder)
+
+	// The lock is free to take over, but the older operation goes first.
+	olderID := ichorv1.OperationIdentity(ns, older.Name)
+	if _, err := run(t, ctx, "acquire", "--namespace", ns, "--identity", waiterID); err == nil || !strings.Contains(err.Error(), olderID+" goes first") {
+		t.Fatalf("acquire with an older operation waiting: %v, want %q", err, olderID+" goes first")
+	}
+	done := make(chan error, 1)
+	var waited string
+	go func() {
+		var err error
+		waited, err = run(t, ctx, "acquire", "--namespace", ns, "--identity", waiterID, "--wait", "--timeout", "1m")
+		done <- err
+	}()
+	testenv.Eventually(t, time.Minute, "the Job to queue in the Lease", func(ctx context.Context) (bool, error) {
+		st, err := l.Get(ctx)
+		_, queued := st.Place(lock.ForJob(waiter))
+		return queued, err
+	})
+	// An operation created after the Job waits for it; the older one takes the lock.
+	newer := reboot(t, ns, "newer")
+	newerPlace := newer.QueuePlace()
+	newerReq := lock.Request{Holder: lock.ForOperation(newer, ichorv1.OperationIdentity(ns, newer.Name)), Place: &newerPlace}
+	if res, err := l.Acquire(ctx, newerReq); err != nil || res.Acquired || res.Ahead != olderID {
+		t.Fatalf("the newer operation: %+v %v, want it to wait for %s", res, err, olderID)
+	}
+	olderPlace := older.QueuePlace()
+	if res, err := l.Acquire(ctx, lock.Request{Holder: lock.ForOperation(older, olderID), Place: &olderPlace}); err != nil || !res.Acquired {
+		t.Fatalf("the older operation: %+v %v, want it to take the lock", res, err)
+	}
+	older.Status.Phase = ichorv1.PhaseSucceeded
+	if err := env.Client.Status().Update(ctx, older); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil || !strings.Contains(waited, "cluster lock taken by "+waiterID+", over from "+olderID+" (completed)") {
+			t.Fatalf("acquire --wait: %q %v", waited, err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("acquire --wait did not return after the older operation completed")
+	}
+	if res, err := l.Acquire(ctx, newerReq); err != nil || res.Acquired || res.Holder != waiterID {
+		t.Fatalf("the newer operation: %+v %v, want it to wait for %s", res, err, waiterID)
+	}
+}
+
+// finish marks a Job complete, as the Job controller would.
+func finish(t *testing.T, j *batchv1.Job) {
+	t.Helper()
+	now := metav1.Now()
+	j.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
+		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
+	if err := env.Client.Status().Update(context.Background(), j); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -304,13 +304,7 @@ func TestJobHolder(t *testing.T) {
 	c.waitFor("reboot", "to wait for the Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		return op.Status.Reason == ichorv1.ReasonClusterLockHeld && op.Status.LockHolder == id
 	})
-	now := metav1.Now()
-	job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
-		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
-	if err := env.Client.Status().Update(ctx, job); err != nil {
-		t.Fatal(err)
-	}
+	c.finishJob(job)
 	c.waitSucceeded("reboot", time.Minute)
 	if st := c.lockHolder(); st.TakenOverFrom != id+" (finished)" {
 		t.Errorf("takeover note %q", st.TakenOverFrom)

@@ -12,7 +12,9 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/sim"
@@ -30,14 +32,21 @@ func (c *cluster) runningJob(name string) *batchv1.Job {
 	return job
 }
 
-// finishJob marks a Job complete, as the Job controller would.
+// finishJob marks a Job complete, as the Job controller would (which may
+// run too, and change the Job meanwhile).
 func (c *cluster) finishJob(job *batchv1.Job) {
 	c.t.Helper()
-	now := metav1.Now()
-	job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
-		{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
-		{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
-	if err := env.Client.Status().Update(context.Background(), job); err != nil {
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if err := env.Client.Get(context.Background(), client.ObjectKeyFromObject(job), job); err != nil {
+			return err
+		}
+		now := metav1.Now()
+		job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
+			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
+			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
+		return env.Client.Status().Update(context.Background(), job)
+	})
+	if err != nil {
 		c.t.Fatal(err)
 	}
 }

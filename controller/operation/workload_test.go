@@ -375,6 +375,20 @@ func TestJobRunsIchor(t *testing.T) {
 	binding := &rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: c.ctrlNS, Name: "lock"},
 		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "Role", Name: "lock"},
 		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "installer", Namespace: c.ns}}}
+	// It reads its own Job, and judges the holder and the waiters before it
+	// from their objects: operations, Nodes, Jobs.
+	reader := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: c.ns + "-lock-taker"},
+		Rules: []rbacv1.PolicyRule{
+			{APIGroups: []string{"batch"}, Resources: []string{"jobs"}, Verbs: []string{"get"}},
+			{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
+			{APIGroups: []string{ichorv1.GroupVersion.Group}, Resources: []string{"talosoperations"}, Verbs: []string{"get", "list"}}}}
+	readerBinding := &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: c.ns + "-lock-taker"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: reader.Name},
+		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "installer", Namespace: c.ns}}}
+	for _, o := range []client.Object{reader, readerBinding} {
+		c.createObject(o)
+		c.t.Cleanup(func() { _ = env.Client.Delete(context.Background(), o) })
+	}
 	for _, o := range []client.Object{sa, role, binding} {
 		c.createObject(o)
 	}
