@@ -24,8 +24,9 @@ import (
 func (c *cluster) runningJob(name string) *batchv1.Job {
 	c.t.Helper()
 	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: name}, Spec: batchv1.JobSpec{
-		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
-			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
+		Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Annotations: map[string]string{sim.RunForAnnotation: "1h"}},
+			Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
+				Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
 	if err := env.Client.Create(context.Background(), job); err != nil {
 		c.t.Fatal(err)
 	}
