@@ -42,7 +42,11 @@ func (c *cluster) finishJob(job *batchv1.Job) {
 			return err
 		}
 		now := metav1.Now()
-		job.Status = batchv1.JobStatus{StartTime: &now, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
+		start := job.Status.StartTime // the Job controller's, if it set one: immutable
+		if start == nil {
+			start = &now
+		}
+		job.Status = batchv1.JobStatus{StartTime: start, CompletionTime: &now, Succeeded: 1, Conditions: []batchv1.JobCondition{
 			{Type: batchv1.JobSuccessCriteriaMet, Status: corev1.ConditionTrue, LastTransitionTime: now},
 			{Type: batchv1.JobComplete, Status: corev1.ConditionTrue, LastTransitionTime: now}}}
 		return env.Client.Status().Update(context.Background(), job)
