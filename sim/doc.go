@@ -209,7 +209,8 @@
 // talos.dev/config-version (the version of the COSI APIServerConfig,
 // ControllerManagerConfig or SchedulerConfig, namespace controlplane, which
 // the machine serves) and talos.dev/secrets-version, and the kubelet's
-// mirror annotations, owned by the Node. They run as the kubelet runs any
+// mirror annotations, owned by the Node (so, as the kubelet's, made once
+// the Node exists, and made again for a Node made anew). They run as the kubelet runs any
 // pod; they are gone while the machine is down (Talos tears them down with
 // etcd) and come back after it boots; a live change of a component's image
 // renders a new configuration version and replaces the pod.

@@ -13,12 +13,14 @@ import (
 
 // TestJoin: a machine the spec marks Joins is not part of the cluster until
 // Fleet.Join: no Node, no etcd member, not an endpoint, unreachable. Joined,
-// it answers, becomes an etcd member, and its Node registers NotReady and
-// turns Ready once its network is up.
+// it answers, becomes an etcd member, its Node registers NotReady and
+// turns Ready once its network is up, and a control plane's mirror pods
+// come once its Node exists, owned by it.
 func TestJoin(t *testing.T) {
 	spec := fleetSpec(t, 2, 1)
 	spec.Machines[1].Joins = true
 	spec.Durations.NodeReady = time.Hour // NotReady for the length of the test
+	logs := logLines(t, &spec)
 	f := start(t, spec)
 	cp, joiner := f.Machines()[0], f.Machines()[1]
 	c := talos(t, f)
@@ -56,6 +58,25 @@ func TestJoin(t *testing.T) {
 	})
 	if eps := f.Endpoints(); len(eps) != 2 {
 		t.Fatalf("endpoints after the join %v", eps)
+	}
+	// Its Node came after the machine started: the mirror pods follow it,
+	// owned by it as the kubelet's are.
+	uid := node(t, joiner).UID
+	testenv.Eventually(t, 30*time.Second, "the joined control plane's mirror pods, owned by its Node", func(context.Context) (bool, error) {
+		pods := mirrorPods(t, joiner)
+		for _, c := range components {
+			ref := (*metav1.OwnerReference)(nil)
+			if p := pods[c]; p != nil {
+				ref = metav1.GetControllerOf(p)
+			}
+			if ref == nil || ref.Kind != "Node" || ref.UID != uid {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if failed := logs("mirror pod"); len(failed) > 0 {
+		t.Errorf("the fleet failed to make mirror pods: %q", failed)
 	}
 
 	// With the default NodeReady, the Node turns Ready by itself.

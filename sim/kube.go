@@ -69,7 +69,10 @@ func startKube(ctx context.Context, f *Fleet, cs kubernetes.Interface) (*kube, e
 		return nil, err
 	}
 	if _, err := k.nodes.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    k.nodeChanged,
+		AddFunc: func(obj any) {
+			k.nodeAdded(obj)
+			k.nodeChanged(obj)
+		},
 		UpdateFunc: func(_, obj any) { k.nodeChanged(obj) },
 	}); err != nil {
 		return nil, err
@@ -133,7 +136,9 @@ func (k *kube) registerAll(ctx context.Context) error {
 		return err
 	}
 	for _, m := range k.f.machines {
-		k.kubeletStarted(m)
+		if !m.Pending() { // a machine waiting to join runs no kubelet yet
+			k.kubeletStarted(m)
+		}
 	}
 	return nil
 }
@@ -392,6 +397,21 @@ func (k *kube) podsOn(m *Machine) []*corev1.Pod {
 		pods = append(pods, o.(*corev1.Pod))
 	}
 	return pods
+}
+
+// nodeAdded makes the mirror pods of a running control plane whose Node
+// the informer has just seen: they are owned by the Node, so they wait for
+// its UID (staticPods).
+func (k *kube) nodeAdded(obj any) {
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return
+	}
+	m := k.f.byName[node.Name]
+	if m == nil || m.spec.Role != ControlPlane || m.Down() || m.Pending() || k.f.ctx.Err() != nil {
+		return
+	}
+	k.f.wg.Go(func() { k.staticPods(m, true) })
 }
 
 // nodeChanged applies the fault annotation of one of the fleet's Nodes. An

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -34,6 +35,31 @@ func fleetSpec(t testing.TB, cps, workers int) sim.Spec {
 	spec := sim.Cluster(fmt.Sprintf("f%d", fleetSeq.Add(1)), cps, workers)
 	spec.Logf = t.Logf
 	return spec
+}
+
+// logLines makes the fleet's log also go to the returned function, which
+// says the lines so far that contain text.
+func logLines(t testing.TB, spec *sim.Spec) func(text string) []string {
+	var mu sync.Mutex
+	var lines []string
+	spec.Logf = func(format string, args ...any) {
+		line := fmt.Sprintf(format, args...)
+		t.Log(line)
+		mu.Lock()
+		lines = append(lines, line)
+		mu.Unlock()
+	}
+	return func(text string) []string {
+		mu.Lock()
+		defer mu.Unlock()
+		var out []string
+		for _, l := range lines {
+			if strings.Contains(l, text) {
+				out = append(out, l)
+			}
+		}
+		return out
+	}
 }
 
 // start starts a fleet whose Nodes live in the test API server.

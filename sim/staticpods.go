@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // staticPod is one control-plane component that Talos runs as a static pod
@@ -63,8 +64,16 @@ func init() {
 // annotated as Talos's, the image from the active configuration); while
 // it is down, none (Talos tears them down with etcd). A changed image
 // renders a new configuration version and the kubelet replaces the pod.
+//
+// As the kubelet's mirror client, it makes no mirror pod before it knows
+// its Node's UID (the pods' owner): a Node created after the machine
+// started gets them when the fleet's Node informer sees it (nodeAdded).
 func (k *kube) staticPods(m *Machine, up bool) {
 	if k == nil || m.spec.Role != ControlPlane {
+		return
+	}
+	uid := k.nodeUID(m)
+	if up && uid == "" {
 		return
 	}
 	ctx, cancel := k.ctx()
@@ -79,9 +88,9 @@ func (k *kube) staticPods(m *Machine, up bool) {
 		}
 		var want *corev1.Pod
 		if up {
-			want = k.mirrorPod(m, c)
+			want = k.mirrorPod(m, c, uid)
 		}
-		if cur != nil && err == nil && (want == nil || cur.Annotations[corev1.MirrorPodAnnotationKey] != want.Annotations[corev1.MirrorPodAnnotationKey]) {
+		if cur != nil && err == nil && (want == nil || stale(cur, want)) {
 			zero := int64(0)
 			if err := pods.Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &cur.UID}}); err != nil && !apierrors.IsNotFound(err) {
 				k.f.logf("%s: remove mirror pod %s: %v", m.Name(), name, err)
@@ -98,6 +107,17 @@ func (k *kube) staticPods(m *Machine, up bool) {
 			}
 		}
 	}
+}
+
+// stale reports whether a mirror pod is not the one wanted: another static
+// pod (its hash), or owned by an earlier Node of the same name (which the
+// garbage collector removes).
+func stale(cur, want *corev1.Pod) bool {
+	if cur.Annotations[corev1.MirrorPodAnnotationKey] != want.Annotations[corev1.MirrorPodAnnotationKey] {
+		return true
+	}
+	ref := metav1.GetControllerOf(cur)
+	return ref == nil || ref.UID != want.OwnerReferences[0].UID
 }
 
 // waitGone waits (briefly) until a deleted mirror pod has left the API
@@ -118,7 +138,7 @@ func (k *kube) waitGone(ctx context.Context, name string, old *corev1.Pod) {
 // Talos renders the static pod (labels, annotations, priority, host
 // network) and the kubelet mirrors it (config annotations, owned by the
 // Node).
-func (k *kube) mirrorPod(m *Machine, c staticPod) *corev1.Pod {
+func (k *kube) mirrorPod(m *Machine, c staticPod, node types.UID) *corev1.Pod {
 	image := c.image(m.Config())
 	version := m.staticPodVersion(c, image)
 	sum := sha256.Sum256([]byte(c.id + "|" + image + "|" + version))
@@ -145,7 +165,7 @@ func (k *kube) mirrorPod(m *Machine, c staticPod) *corev1.Pod {
 				"kubernetes.io/config.seen":                 time.Now().UTC().Format(time.RFC3339Nano),
 				"kubernetes.io/config.source":               "file",
 			},
-			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: m.Name(), UID: k.nodeUID(m), Controller: &yes}},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: m.Name(), UID: node, Controller: &yes}},
 		},
 		Spec: corev1.PodSpec{
 			NodeName:          m.Name(),

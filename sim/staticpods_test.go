@@ -2,6 +2,7 @@ package sim_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +13,9 @@ import (
 	configres "github.com/siderolabs/talos/pkg/machinery/resources/config"
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -194,5 +197,66 @@ func TestStaticPodsFollowTheConfig(t *testing.T) {
 	}
 	if after["kube-scheduler"].UID != before["kube-scheduler"].UID {
 		t.Error("the scheduler's pod was replaced though its image did not change")
+	}
+}
+
+// TestMirrorPodsFollowTheNode: a control plane's Node made again while the
+// machine runs (deleted, its mirror pods removed with it as the garbage
+// collector does, then registered anew) gets the mirror pods back, owned by
+// the new Node; until it exists there are none, and the fleet logs no
+// failure to make them.
+func TestMirrorPodsFollowTheNode(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	logs := logLines(t, &spec)
+	f := start(t, spec)
+	cp, w := f.Machines()[0], f.Machines()[1]
+	ctx := context.Background()
+	testenv.Eventually(t, 30*time.Second, "the mirror pods", func(context.Context) (bool, error) {
+		return len(mirrorPods(t, cp)) == 3, nil
+	})
+	old := node(t, cp)
+	if err := env.Kube.CoreV1().Nodes().Delete(ctx, cp.Name(), metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// The fleet's Node informer has seen the deletion once it has seen a
+	// later change: a fault annotation on the worker's Node.
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"error:Version:Unavailable"}}}`, sim.FaultAnnotation)
+	if _, err := env.Kube.CoreV1().Nodes().Patch(ctx, w.Name(), types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "the worker's fault seen", func(context.Context) (bool, error) { return len(w.Faults()) == 1, nil })
+	for _, p := range mirrorPods(t, cp) {
+		if err := env.Kube.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+	}
+	// Likewise its pod informer has handled the deletions (and the kubelet
+	// answered them) once it runs a pod created later.
+	ns := namespace(t)
+	createPod(t, plainPod(ns, "probe", w.Name()))
+	waitPod(t, ns, "probe", "Running", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodRunning })
+	if pods := mirrorPods(t, cp); len(pods) != 0 {
+		t.Fatalf("mirror pods of a control plane without a Node: %v", pods)
+	}
+
+	created, err := env.Kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: cp.Name(), Labels: old.Labels}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 30*time.Second, "mirror pods owned by the new Node", func(context.Context) (bool, error) {
+		pods := mirrorPods(t, cp)
+		for _, c := range components {
+			p := pods[c]
+			if p == nil {
+				return false, nil
+			}
+			if ref := metav1.GetControllerOf(p); ref == nil || ref.UID != created.UID {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if failed := logs("mirror pod"); len(failed) > 0 {
+		t.Errorf("the fleet failed to make mirror pods: %q", failed)
 	}
 }
