@@ -11,6 +11,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/utils/ptr"
 
 	"maesh.dev/ichor/internal/testenv"
@@ -154,6 +155,63 @@ func TestPodsEnd(t *testing.T) {
 	})
 	if p := waitPod(t, ns, "forever", "Ready", podReady); p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 {
 		t.Errorf("a pod without run-for: phase %s, restarts %d", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount)
+	}
+}
+
+// TestPodsKeepTheirGracePeriod: a deleted pod stays (terminating) until
+// its grace period ends, not longer than Durations.PodGrace: the pod with a
+// short grace period is gone no earlier than its deletionTimestamp, the one
+// with the default 30 s is gone well before its own.
+func TestPodsKeepTheirGracePeriod(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.Durations.PodGrace = 5 * time.Second
+	f := start(t, spec)
+	w := f.Machines()[1]
+	ns := namespace(t)
+	ctx := context.Background()
+	short, long := createPod(t, plainPod(ns, "short", w.Name())), createPod(t, plainPod(ns, "long", w.Name()))
+	for _, p := range []*corev1.Pod{short, long} {
+		waitPod(t, ns, p.Name, "Running", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodRunning })
+	}
+	list, err := env.Kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wt, err := env.Kube.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wt.Stop()
+	deadline := map[string]time.Time{}
+	for name, grace := range map[string]*int64{"short": ptr.To[int64](2), "long": nil} {
+		if err := env.Kube.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: grace}); err != nil {
+			t.Fatal(err)
+		}
+		p, err := env.Kube.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil || p.DeletionTimestamp == nil {
+			t.Fatalf("pod %s after its deletion: %v", name, err)
+		}
+		deadline[name] = p.DeletionTimestamp.Time
+	}
+	timeout := time.After(30 * time.Second)
+	for len(deadline) > 0 {
+		select {
+		case ev := <-wt.ResultChan():
+			p, ok := ev.Object.(*corev1.Pod)
+			if !ok || ev.Type != watch.Deleted || deadline[p.Name].IsZero() {
+				continue
+			}
+			gone := time.Now()
+			if p.Name == "short" && gone.Before(deadline["short"]) {
+				t.Errorf("pod short removed at %s, before its grace period ended (%s)", gone.Format(time.StampMilli), deadline["short"].Format(time.StampMilli))
+			}
+			if p.Name == "long" && !gone.Before(deadline["long"]) {
+				t.Errorf("pod long removed at %s, after Durations.PodGrace (its own grace period ends %s)", gone.Format(time.StampMilli), deadline["long"].Format(time.StampMilli))
+			}
+			delete(deadline, p.Name)
+		case <-timeout:
+			t.Fatalf("pods still there: %v", deadline)
+		}
 	}
 }
 
