@@ -182,6 +182,11 @@ func configInspectStep() Step {
 			return Outcome{}, configFail(err)
 		}
 		if ch.Applied() {
+			// A retry after a failed verify can find the change there (an
+			// operator put it back): the cordon this operation made goes.
+			if _, err := uncordonStep().Run(ctx, e); err != nil {
+				return Outcome{}, err
+			}
 			return Outcome{Done: true, To: ch.To, Message: msgAlreadyApplied}, nil
 		}
 		out := Outcome{To: ch.To, Message: "applies live"}

@@ -75,6 +75,10 @@ func cordonStep() Step {
 	}}
 }
 
+// Uncordon is the step that lifts the cordon this operation made (its
+// identity marks it) and leaves anyone else's alone.
+func Uncordon() Step { return uncordonStep() }
+
 func uncordonStep() Step {
 	return Step{Name: StepUncordon, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		node, err := e.freshNode(ctx)

@@ -12,6 +12,7 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/client"
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
@@ -411,8 +412,9 @@ func TestConfigChangedMidway(t *testing.T) {
 // TestConfigVerifyAfterReboot: the machine came back from the reboot
 // without the change (someone else's apply replaced the label right after
 // it booted). Verify finds it: the step fails with ConfigNotActive, saying
-// so, the machine is not reported applied, and a retry inspects it again
-// and applies the change once more.
+// so, the machine is not reported applied and stays cordoned. The operator
+// puts the change back; a retry inspects the machine again, finds it
+// applied, sends nothing and lifts the cordon.
 func TestConfigVerifyAfterReboot(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	w := c.fleet.Machines()[1]
@@ -442,14 +444,58 @@ func TestConfigVerifyAfterReboot(t *testing.T) {
 	if strings.Contains(m.Message, "applied, rebooted") || m.Phase == ichorv1.MachineSucceeded {
 		t.Errorf("a machine without the change is reported applied: %s %q", m.Phase, m.Message)
 	}
+	if !cordoned(t, w.Name()) {
+		t.Errorf("%s was uncordoned without the change", w.Name())
+	}
+	applyDirect(t, c.fleet, w, machineconfig.NoReboot, zoneLabel)
+	rec := c.fleet.Recorder()
+	applies := rec.Calls(w.Name(), "ApplyConfiguration")
 	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
 	got = c.waitSucceeded("zone", 2*time.Minute)
-	if zone := w.Config().Machine().NodeLabels()["ichor.test/zone"]; zone != "a" || got.Status.Machines[0].Message != "applied, rebooted" {
-		t.Errorf("after the retry: zone %q, message %q", zone, got.Status.Machines[0].Message)
+	if msg := got.Status.Machines[0].Message; msg != "already applied" {
+		t.Errorf("after the retry: message %q", msg)
 	}
-	if n := reboots(c.fleet.Recorder(), w.Name()); n != 2 {
-		t.Errorf("%d reboots, want 2 (the first apply's and the retry's)", n)
+	if n := rec.Calls(w.Name(), "ApplyConfiguration"); n != applies || reboots(rec, w.Name()) != 1 {
+		t.Errorf("the retry sent %d applies, and there were %d reboots, for a change already there", n-applies, reboots(rec, w.Name()))
 	}
+	if cordoned(t, w.Name()) {
+		t.Errorf("%s left cordoned by a retry that found the change applied", w.Name())
+	}
+}
+
+// cordoned reads whether the Node is unschedulable.
+func cordoned(t *testing.T, name string) bool {
+	t.Helper()
+	n := &corev1.Node{}
+	if err := env.Client.Get(context.Background(), keyOfNode(name), n); err != nil {
+		t.Fatal(err)
+	}
+	return n.Spec.Unschedulable
+}
+
+// TestConfigDeletedLiftsCordon: a config operation that failed with its
+// machine drained, then deleted, lifts the cordon it made (config lifts it
+// in verify, not in an uncordon step of its own).
+func TestConfigDeletedLiftsCordon(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	release := c.holdDrain(w.Name())
+	c.start()
+	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
+	c.create("zone", op)
+	c.atStep("zone", executor.StepDrain)
+	applyDirect(t, c.fleet, w, machineconfig.NoReboot, "machine:\n  nodeLabels:\n    ichor.test/other: b\n")
+	release()
+	c.waitFailed("zone", machineconfig.ReasonDiverged)
+	if !cordoned(t, w.Name()) {
+		t.Fatalf("%s not cordoned after a failed drained step", w.Name())
+	}
+	c.kubectl("delete", "talosoperation", "zone", "--wait=false")
+	testenv.Eventually(t, time.Minute, "the operation gone and its cordon lifted", func(ctx context.Context) (bool, error) {
+		err := env.Client.Get(ctx, ctrlclient.ObjectKey{Namespace: c.ns, Name: "zone"}, &ichorv1.TalosOperation{})
+		return apierrors.IsNotFound(err) && !cordoned(t, w.Name()), ctrlclient.IgnoreNotFound(err)
+	})
 }
 
 // TestConfigTalosRefusalFailsStep: Talos refusing the apply itself (here

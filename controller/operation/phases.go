@@ -446,7 +446,10 @@ func (t *turn) uncordon(ctx context.Context) error {
 		}
 		step, ok := findStep(t.exec.Steps(t.op, &m), executor.StepUncordon)
 		if !ok || step.Run == nil {
-			continue
+			// A kind that lifts its cordon inside another step (config's
+			// verify) has none of its own: the cordon is this operation's
+			// all the same.
+			step = executor.Uncordon()
 		}
 		sctx, cancel := context.WithTimeout(ctx, time.Minute)
 		_, err := step.Run(sctx, t.env(m))
