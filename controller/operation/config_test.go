@@ -379,18 +379,7 @@ func TestConfigKilledAfterApply(t *testing.T) {
 // machine. A retry inspects it again and applies them, once, on top of
 // what it runs then.
 func TestConfigChangedMidway(t *testing.T) {
-	c := newCluster(t, sim.Cluster("", 1, 1))
-	w := c.fleet.Machines()[1]
-	release := c.holdDrain(w.Name())
-	c.start()
-	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
-	c.create("zone", op)
-	c.atStep("zone", executor.StepDrain)
-	const other = "machine:\n  nodeLabels:\n    ichor.test/other: b\n"
-	applyDirect(t, c.fleet, w, machineconfig.NoReboot, other)
-	release()
-	got := c.waitFailed("zone", machineconfig.ReasonDiverged)
+	c, w, got := changedMidway(t)
 	// The step a retry begins with is inspect.
 	if m := got.Status.Machines[0]; m.Step != executor.StepInspect || !strings.Contains(m.Message, "someone else applied one; a retry inspects the machine again") {
 		t.Errorf("failed with step %s next: %q", m.Step, m.Message)
@@ -407,6 +396,42 @@ func TestConfigChangedMidway(t *testing.T) {
 	if n := reboots(rec, w.Name()); n != 1 || got.Status.Machines[0].Message != "applied, rebooted" {
 		t.Errorf("%d reboots, message %q", n, got.Status.Machines[0].Message)
 	}
+}
+
+// changedMidway runs operation zone (the zone label, mode reboot) on a
+// cluster's one worker and, while it is drained, applies another label to
+// it as an operator would: the step fails with ConfigChanged, the worker
+// cordoned.
+func changedMidway(t *testing.T) (*cluster, *sim.Machine, *ichorv1.TalosOperation) {
+	t.Helper()
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	release := c.holdDrain(w.Name())
+	c.start()
+	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
+	op.Machines = onlyMachine(w)
+	c.create("zone", op)
+	c.atStep("zone", executor.StepDrain)
+	applyDirect(t, c.fleet, w, machineconfig.NoReboot, "machine:\n  nodeLabels:\n    ichor.test/other: b\n")
+	release()
+	return c, w, c.waitFailed("zone", machineconfig.ReasonDiverged)
+}
+
+// onlyMachine selects one machine by its Node's hostname label.
+func onlyMachine(m *sim.Machine) *metav1.LabelSelector {
+	return &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": m.Name()}}
+}
+
+// zoneFails starts a controller with hook and runs operation zone (the
+// zone label, in mode) on machine m alone until it fails with reason; it
+// returns m's status then.
+func (c *cluster) zoneFails(m *sim.Machine, mode ichorv1.ConfigMode, hook func(operation.StepRun), reason string) ichorv1.MachineStatus {
+	c.t.Helper()
+	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
+	op := configSpec(mode, zoneLabel)
+	op.Machines = onlyMachine(m)
+	c.create("zone", op)
+	return c.waitFailed("zone", reason).Status.Machines[0]
 }
 
 // TestConfigVerifyAfterReboot: the machine came back from the reboot
@@ -432,12 +457,7 @@ func TestConfigVerifyAfterReboot(t *testing.T) {
 			applyDirect(t, c.fleet, w, machineconfig.NoReboot, other)
 		})
 	}
-	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
-	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
-	c.create("zone", op)
-	got := c.waitFailed("zone", machineconfig.ReasonNotActive)
-	m := got.Status.Machines[0]
+	m := c.zoneFails(w, ichorv1.ConfigModeReboot, hook, machineconfig.ReasonNotActive)
 	if m.Step != executor.StepInspect || !strings.Contains(m.Message, "the machine runs configuration") || !strings.Contains(m.Message, "a retry inspects the machine again") {
 		t.Errorf("failed with step %s next: %q", m.Step, m.Message)
 	}
@@ -451,7 +471,7 @@ func TestConfigVerifyAfterReboot(t *testing.T) {
 	rec := c.fleet.Recorder()
 	applies := rec.Calls(w.Name(), "ApplyConfiguration")
 	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
-	got = c.waitSucceeded("zone", 2*time.Minute)
+	got := c.waitSucceeded("zone", 2*time.Minute)
 	if msg := got.Status.Machines[0].Message; msg != "already applied" {
 		t.Errorf("after the retry: message %q", msg)
 	}
@@ -477,17 +497,7 @@ func cordoned(t *testing.T, name string) bool {
 // machine drained, then deleted, lifts the cordon it made (config lifts it
 // in verify, not in an uncordon step of its own).
 func TestConfigDeletedLiftsCordon(t *testing.T) {
-	c := newCluster(t, sim.Cluster("", 1, 1))
-	w := c.fleet.Machines()[1]
-	release := c.holdDrain(w.Name())
-	c.start()
-	op := configSpec(ichorv1.ConfigModeReboot, zoneLabel)
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
-	c.create("zone", op)
-	c.atStep("zone", executor.StepDrain)
-	applyDirect(t, c.fleet, w, machineconfig.NoReboot, "machine:\n  nodeLabels:\n    ichor.test/other: b\n")
-	release()
-	c.waitFailed("zone", machineconfig.ReasonDiverged)
+	c, w, _ := changedMidway(t)
 	if !cordoned(t, w.Name()) {
 		t.Fatalf("%s not cordoned after a failed drained step", w.Name())
 	}
@@ -515,12 +525,7 @@ func TestConfigTalosRefusalFailsStep(t *testing.T) {
 			})
 		}
 	}
-	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
-	op := configSpec(ichorv1.ConfigModeAuto, zoneLabel)
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w.Name()}}
-	c.create("zone", op)
-	got := c.waitFailed("zone", machineconfig.ReasonNotPermitted)
-	m := got.Status.Machines[0]
+	m := c.zoneFails(w, ichorv1.ConfigModeAuto, hook, machineconfig.ReasonNotPermitted)
 	for _, want := range []string{`apply the machine configuration: Talos says "simulated fault`, "needs the os:admin role"} {
 		if !strings.Contains(m.Message, want) {
 			t.Errorf("the failed step's message lacks %q: %q", want, m.Message)
@@ -530,7 +535,7 @@ func TestConfigTalosRefusalFailsStep(t *testing.T) {
 		t.Errorf("a refused apply changed a configuration: %v -> %v", before, after)
 	}
 	c.kubectl("annotate", "talosoperation", "zone", ichorv1.RetryAnnotation+"=true")
-	got = c.waitSucceeded("zone", 2*time.Minute)
+	got := c.waitSucceeded("zone", 2*time.Minute)
 	if w.Config().Machine().NodeLabels()["ichor.test/zone"] != "a" || got.Status.Machines[0].Message != "applied live" {
 		t.Errorf("after the retry: labels %v, message %q", w.Config().Machine().NodeLabels(), got.Status.Machines[0].Message)
 	}
