@@ -66,8 +66,10 @@ func newRoot() *cobra.Command {
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.Namespace, "namespace", ichorv1.DefaultNamespace, "namespace of the cluster lock, the leader Lease and Secret "+ichorv1.TalosconfigSecret)
-	f.StringVar(&o.MetricsAddr, "metrics-bind-address", ":8080", `address of the Prometheus metrics endpoint ("0" disables it)`)
-	f.StringVar(&o.ProbeAddr, "health-probe-bind-address", ":8081", "address of the /healthz and /readyz endpoints")
+	f.StringVar(&o.MetricsAddr, "metrics-bind-address", envOr(app.MetricsAddrEnv, ":8080"),
+		`address of the Prometheus metrics endpoint ("0" disables it; default $`+app.MetricsAddrEnv+`, else :8080)`)
+	f.StringVar(&o.ProbeAddr, "health-probe-bind-address", envOr(app.ProbeAddrEnv, ":8081"),
+		"address of the /healthz and /readyz endpoints (default $"+app.ProbeAddrEnv+", else :8081)")
 	f.BoolVar(&o.LeaderElection, "leader-elect", true, "elect a leader among replicas (Lease "+ichorv1.LeaderLeaseName+")")
 	f.DurationVar(&o.StepTimeout, "step-timeout", 15*time.Minute, "time limit of steps that set none of their own")
 	f.StringVar(&o.Image, "image", "", "the controller's own image, which the cni kind's Job runs (default: read from the controller's pod, $POD_NAMESPACE/$POD_NAME)")
@@ -83,4 +85,12 @@ func newRoot() *cobra.Command {
 		Run:   func(cmd *cobra.Command, _ []string) { fmt.Fprintln(cmd.OutOrStdout(), version.Version) },
 	})
 	return cmd
+}
+
+// envOr is the variable's value, or def when it is unset or empty.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
 }

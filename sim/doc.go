@@ -188,7 +188,10 @@
 // status.podIP; resourceFieldRef), ConfigMap and Secret keys; and
 // KUBECONFIG, a kubeconfig for Spec.APIServer whose token the TokenRequest
 // API issued for the pod's ServiceAccount, bound to the pod (one hour, not
-// renewed), so the process has the pod's own RBAC. Its exit code is the
+// renewed), so the process has the pod's own RBAC; Kubelet.Env comes
+// before all of these, as a container runtime's own variables do. All
+// processes share the host's network (a real pod has its own), so two
+// pods on one machine that listen on one port collide. Its exit code is the
 // container's (128+signal when killed; 128 "StartError" when it cannot
 // start); with terminationMessagePolicy FallbackToLogsOnError the end of its
 // output is the termination message. Other images run until deleted,

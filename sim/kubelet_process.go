@@ -67,7 +67,8 @@ func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Dir = dir
-	cmd.Env = append([]string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOSTNAME=" + r.pod.Name, "HOME=" + dir, "KUBECONFIG=" + kubeconfig}, env...)
+	cmd.Env = append(append([]string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOSTNAME=" + r.pod.Name, "HOME=" + dir, "KUBECONFIG=" + kubeconfig},
+		r.kl.runtimeEnv()...), env...)
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	start, _ := os.Stat(logPath)
@@ -94,6 +95,16 @@ func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*
 		exited(code, msg)
 	}()
 	return p, nil
+}
+
+// runtimeEnv is Kubelet.Env as NAME=value, sorted.
+func (kl *kubelet) runtimeEnv() []string {
+	out := make([]string, 0, len(kl.k.f.spec.Kubelet.Env))
+	for k, v := range kl.k.f.spec.Kubelet.Env {
+		out = append(out, k+"="+v)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // commandLine is the process's arguments: the container's command (whose

@@ -75,6 +75,13 @@ type Kubelet struct {
 	// "ghcr.io/maesh-dev/ichor-controller:*") to local executables: a
 	// container whose image matches runs that executable as a process.
 	Binaries map[string]string
+	// Env is added to the environment of every such process, before the
+	// container's own variables (which win), as a container runtime adds
+	// its own. The processes of all pods share the host's network, where a
+	// real kubelet gives each pod a network namespace of its own: tests set
+	// listen addresses here (a free port, 127.0.0.1:0) so that two pods of
+	// one Deployment on one machine do not both bind the same port.
+	Env map[string]string
 	// Dir holds the files of those processes (kubeconfig, token, output);
 	// empty means a temporary directory that Stop removes.
 	Dir string

@@ -83,6 +83,15 @@ type Options struct {
 	CiliumChart *compat.ChartPin
 }
 
+// Variables that set the listen addresses when the flags do not. The
+// Deployment sets neither (a pod has its own network, where :8080 is free);
+// the simulated kubelet, whose pods share the host's, sets them to a free
+// port so that a rollout's old and new pods can run on one machine.
+const (
+	MetricsAddrEnv = "ICHOR_METRICS_BIND_ADDRESS"
+	ProbeAddrEnv   = "ICHOR_HEALTH_PROBE_BIND_ADDRESS"
+)
+
 // New builds the manager with every reconciler registered.
 func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if o.Namespace == "" {

@@ -154,7 +154,8 @@ func newVersionStep() Step {
 		if v := lease.Annotations[ichorv1.VersionAnnotation]; v != want {
 			return false, Outcome{Message: fmt.Sprintf("waiting for the leader Lease to name %s (it names %q)", want, v), Recheck: time.Second}, nil
 		}
-		return true, Outcome{Message: fmt.Sprintf("every replica runs ichor-controller %s", want)}, nil
+		// The version is the writer's own: the test of who finished it.
+		return true, Outcome{Message: fmt.Sprintf("every replica runs ichor-controller %s; finished by ichor-controller %s", want, e.Controller.Version)}, nil
 	}}
 }
 

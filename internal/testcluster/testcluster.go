@@ -15,7 +15,6 @@ package testcluster
 
 import (
 	"context"
-	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -221,27 +220,51 @@ func (w testWriter) Write(p []byte) (int, error) {
 // sim.Kubelet.Binaries takes it.
 const IchorImage = "ghcr.io/maesh-dev/ichor-controller:*"
 
-var ichorBinary struct {
-	once sync.Once
-	path string
-	err  error
-}
+// ichorBuilds are the ichor-controller binaries built so far, by version
+// ("" for the plain go build).
+var ichorBuilds = struct {
+	mu    sync.Mutex
+	paths map[string]string
+}{paths: map[string]string{}}
 
 // IchorBinaries builds ichor-controller (once per test binary, into env's
 // directory) and maps Ichor's image to it, for sim.Kubelet.Binaries: pods
 // of that image run the real binary.
 func IchorBinaries(t testing.TB, env *testenv.Env) map[string]string {
 	t.Helper()
-	b := &ichorBinary
-	b.once.Do(func() {
-		b.path = filepath.Join(env.Dir(), "ichor-controller")
-		out, err := exec.Command("go", "build", "-o", b.path, "maesh.dev/ichor/controller").CombinedOutput()
-		if err != nil {
-			b.err = fmt.Errorf("build ichor-controller: %w\n%s", err, out)
-		}
-	})
-	if b.err != nil {
-		t.Fatal(b.err)
+	return map[string]string{IchorImage: IchorBinary(t, env, "")}
+}
+
+// IchorBinary builds ichor-controller stamped with version (as make build
+// stamps a release; "" leaves the default), once per test binary and
+// version, into env's directory, and returns its path.
+func IchorBinary(t testing.TB, env *testenv.Env, version string) string {
+	t.Helper()
+	b := &ichorBuilds
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if p, ok := b.paths[version]; ok {
+		return p
 	}
-	return map[string]string{IchorImage: b.path}
+	// The file is named as in the image: a container's command names it.
+	path := filepath.Join(env.Dir(), "ichor-controller")
+	args := []string{"build", "-o", path}
+	if version != "" {
+		path = filepath.Join(env.Dir(), version, "ichor-controller")
+		args = []string{"build", "-o", path, "-ldflags", "-X maesh.dev/ichor/internal/version.Version=" + version}
+	}
+	out, err := exec.Command("go", append(args, "maesh.dev/ichor/controller")...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("build ichor-controller %s: %v\n%s", version, err, out)
+	}
+	b.paths[version] = path
+	return path
+}
+
+// ProcessEnv is sim.Kubelet.Env for pods that run ichor-controller: the
+// processes of a fleet's pods share this machine's network, so each
+// controller listens for metrics and probes on a port of its own (a free
+// one), as it would in a pod's own network.
+func ProcessEnv() map[string]string {
+	return map[string]string{app.MetricsAddrEnv: "127.0.0.1:0", app.ProbeAddrEnv: "127.0.0.1:0"}
 }
