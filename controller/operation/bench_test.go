@@ -17,6 +17,7 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
@@ -461,7 +462,11 @@ func (c *cluster) podOnEachMachine(b *testing.B) {
 	b.Cleanup(func() {
 		zero := int64(0)
 		testenv.Eventually(b, 10*time.Minute, "the pods on the machines to be gone", func(ctx context.Context) (bool, error) {
-			if err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(c.ns), client.GracePeriodSeconds(zero)); err != nil {
+			err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(c.ns), client.GracePeriodSeconds(zero))
+			if apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err) {
+				return false, nil // the API server goes on deleting them; ask again
+			}
+			if err != nil {
 				return false, err
 			}
 			n, err := c.runningPods(ctx)
