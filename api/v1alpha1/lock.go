@@ -28,6 +28,14 @@ const (
 	// lock in the queue (LockWaiter). Waiting operations are not listed:
 	// every taker lists the operations themselves.
 	LockWaitingJobsAnnotation = "ichor.maesh.dev/waiting-jobs"
+	// LockMembershipBaselineAnnotation records when the membership
+	// reconciler first ran in the cluster, having marked every control
+	// plane that existed then as joined: only a Node created after it can be
+	// a join.
+	LockMembershipBaselineAnnotation = "ichor.maesh.dev/membership-baseline"
+	// LockRemovalsAnnotation lists, as JSON, the control planes whose Node
+	// is gone while their removal has not settled in etcd yet (LockRemoval).
+	LockRemovalsAnnotation = "ichor.maesh.dev/removals"
 )
 
 // ArrivalAnnotation on an operation is the resourceVersion at which the
@@ -229,4 +237,37 @@ func LockWaitingJobs(annotations map[string]string) ([]LockWaiter, error) {
 		return nil, fmt.Errorf("annotation %s of the cluster lock: %w", LockWaitingJobsAnnotation, err)
 	}
 	return ws, nil
+}
+
+// LockRemoval is a control plane whose Node is gone and whose removal has
+// not settled in etcd, as LockRemovalsAnnotation lists it. It holds (or
+// waits for) the lock as ichor-controller/machine/<node>, with the gone
+// Node's UID.
+type LockRemoval struct {
+	// Node is the gone Node's name, UID its UID.
+	Node string    `json:"node"`
+	UID  types.UID `json:"uid"`
+	// Addresses are the Node's addresses when it went: how its etcd member
+	// is recognised beside its hostname.
+	Addresses []string `json:"addresses,omitempty"`
+	// Since is when the controller saw the Node go.
+	Since metav1.Time `json:"since"`
+	// Etcd is what the last check of etcd found (empty before the first).
+	Etcd string `json:"etcd,omitempty"`
+	// Overdue is set once the removal has not settled within the bound the
+	// controller gives it (an Event said so).
+	Overdue bool `json:"overdue,omitempty"`
+}
+
+// LockRemovals reads the removals a lock Lease's annotations list.
+func LockRemovals(annotations map[string]string) ([]LockRemoval, error) {
+	s := annotations[LockRemovalsAnnotation]
+	if s == "" {
+		return nil, nil
+	}
+	var rs []LockRemoval
+	if err := json.Unmarshal([]byte(s), &rs); err != nil {
+		return nil, fmt.Errorf("annotation %s of the cluster lock: %w", LockRemovalsAnnotation, err)
+	}
+	return rs, nil
 }

@@ -159,7 +159,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err := r.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the operation reconciler: %w", err)
 	}
-	m := &membership.Reconciler{Client: mgr.GetClient(), Lock: lk, Recorder: mgr.GetEventRecorder("ichor-controller"), Log: o.Log.WithName("membership")}
+	m := &membership.Reconciler{Client: mgr.GetClient(), Lock: lk, Talos: conn, Recorder: mgr.GetEventRecorder("ichor-controller"), Log: o.Log.WithName("membership")}
 	if err := m.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the membership reconciler: %w", err)
 	}

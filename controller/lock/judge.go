@@ -37,7 +37,8 @@ func over(why string) Verdict  { return Verdict{Stale: true, Over: true, Why: wh
 // ClusterJudge finds holders stale from the objects they stand for, exactly
 // as the specification says: an operation that was deleted, completed, or is
 // paused on a failed step (an operator-paused one keeps the lock); a
-// control-plane join or removal that is done, or whose Node is gone; a Job
+// control-plane join or removal that is done, or whose Node is gone (unless
+// the Lease lists its removal as not settled in etcd yet); a Job
 // that was deleted or finished. An object with the holder's name but another
 // UID is another object: the holder's is gone. An identity Ichor does not
 // know is never stale: it has to be released by whoever took it.
@@ -61,8 +62,16 @@ func (j ClusterJudge) Stale(ctx context.Context, h Holder) (Verdict, error) {
 		return operationVerdict(op), nil
 	case ichorv1.ObjectNode:
 		node := &corev1.Node{}
-		if gone, err := j.get(ctx, key, node, h.UID); gone || err != nil {
-			return over("node gone"), err
+		gone, err := j.get(ctx, key, node, h.UID)
+		switch {
+		case err != nil:
+			return Verdict{}, err
+		case gone && h.Removal:
+			// Gone from Kubernetes, not yet from etcd: the membership
+			// reconciler releases it once etcd has settled.
+			return Verdict{}, nil
+		case gone:
+			return over("node gone"), nil
 		}
 		if node.DeletionTimestamp.IsZero() && machine.Ready(node) {
 			return over("join or removal done"), nil

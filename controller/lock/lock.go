@@ -78,6 +78,10 @@ type Holder struct {
 	Object ichorv1.LockObject
 	// UID is Object's UID: what tells holders of one identity apart.
 	UID types.UID
+	// Removal is set on a Node holder whose Node is gone while the Lease
+	// lists its removal as not settled in etcd yet: the Node being gone does
+	// not end the hold.
+	Removal bool
 }
 
 func (h Holder) String() string {
@@ -161,6 +165,11 @@ type State struct {
 	TakenOverFrom string
 	// Waiting are the Jobs queued in the Lease.
 	Waiting []ichorv1.LockWaiter
+	// Baseline is when the membership reconciler first ran ("" before).
+	Baseline string
+	// Removals are the control planes whose Node is gone and whose removal
+	// has not settled in etcd.
+	Removals []ichorv1.LockRemoval
 }
 
 // Free reports whether nobody holds the lock.
@@ -194,9 +203,18 @@ func (l *Lock) Get(ctx context.Context) (State, error) {
 	return stateOf(lease)
 }
 
+// Current reads the lock from the API server itself (Live).
+func (l *Lock) Current(ctx context.Context) (State, error) {
+	lease, err := l.read(ctx, l.live())
+	if err != nil || lease == nil {
+		return State{}, err
+	}
+	return stateOf(lease)
+}
+
 func stateOf(lease *coordinationv1.Lease) (State, error) {
 	a := lease.Annotations
-	s := State{TakenOverFrom: a[TakenOverAnnotation]}
+	s := State{TakenOverFrom: a[TakenOverAnnotation], Baseline: a[ichorv1.LockMembershipBaselineAnnotation]}
 	if id := ptr.Deref(lease.Spec.HolderIdentity, ""); id != "" {
 		s.Holder = holderOf(id, a[ichorv1.LockHolderObjectAnnotation], a[ichorv1.LockHolderUIDAnnotation])
 		if a[LentByAnnotation] != "" {
@@ -207,8 +225,25 @@ func stateOf(lease *coordinationv1.Lease) (State, error) {
 		s.Since = lease.Spec.AcquireTime.Time
 	}
 	var err error
-	s.Waiting, err = ichorv1.LockWaitingJobs(lease.Annotations)
-	return s, err
+	if s.Waiting, err = ichorv1.LockWaitingJobs(a); err != nil {
+		return s, err
+	}
+	if s.Removals, err = ichorv1.LockRemovals(a); err != nil {
+		return s, err
+	}
+	_, s.Holder.Removal = s.Removal(s.Holder.UID)
+	return s, nil
+}
+
+// Removal returns the pending removal of the gone Node uid, if the Lease
+// lists one.
+func (s State) Removal(uid types.UID) (ichorv1.LockRemoval, bool) {
+	for _, r := range s.Removals {
+		if uid != "" && r.UID == uid {
+			return r, true
+		}
+	}
+	return ichorv1.LockRemoval{}, false
 }
 
 // holderOf reads a holder from the Lease's identity, object and UID.
@@ -340,19 +375,32 @@ func (s State) Place(h Holder) (ichorv1.QueuePlace, bool) {
 }
 
 func (l *Lock) create(ctx context.Context, h Holder) (Result, error) {
-	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: l.Namespace, Name: ichorv1.LockLeaseName,
-		Labels: map[string]string{"app.kubernetes.io/part-of": "ichor"}}}
+	lease := newLease(l.Namespace)
 	now := l.now()
 	setHolder(lease, h, now)
-	lease.Spec.RenewTime = ptr.To(metav1.NewMicroTime(now))
-	err := l.Client.Create(ctx, lease)
-	if apierrors.IsAlreadyExists(err) {
-		return Result{}, ErrConflict
-	}
-	if err != nil {
-		return Result{}, fmt.Errorf("create cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
+	if err := l.createLease(ctx, lease); err != nil {
+		return Result{}, err
 	}
 	return Result{Acquired: true, Holder: h.Identity, Since: now}, nil
+}
+
+func newLease(namespace string) *coordinationv1.Lease {
+	return &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: ichorv1.LockLeaseName,
+		Labels: map[string]string{"app.kubernetes.io/part-of": "ichor"}}}
+}
+
+// createLease creates the Lease, renewed now; ErrConflict if another
+// created it first.
+func (l *Lock) createLease(ctx context.Context, lease *coordinationv1.Lease) error {
+	lease.Spec.RenewTime = ptr.To(metav1.NewMicroTime(l.now()))
+	err := l.Client.Create(ctx, lease)
+	if apierrors.IsAlreadyExists(err) {
+		return ErrConflict
+	}
+	if err != nil {
+		return fmt.Errorf("create cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
+	}
+	return nil
 }
 
 // setHolder makes h the holder since the given time; a zero h frees the
@@ -371,6 +419,15 @@ func setHolder(lease *coordinationv1.Lease, h Holder, since time.Time) {
 	lease.Spec.HolderIdentity, lease.Spec.AcquireTime = ptr.To(h.Identity), &acquired
 	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockHolderUIDAnnotation, string(h.UID))
 	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockHolderObjectAnnotation, h.Object.String())
+}
+
+func setRemovals(lease *coordinationv1.Lease, rs []ichorv1.LockRemoval) {
+	if len(rs) == 0 {
+		delete(lease.Annotations, ichorv1.LockRemovalsAnnotation)
+		return
+	}
+	b, _ := json.Marshal(rs) // plain strings and times: cannot fail
+	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockRemovalsAnnotation, string(b))
 }
 
 func setWaiting(lease *coordinationv1.Lease, waiting []ichorv1.LockWaiter) {
@@ -500,26 +557,85 @@ func (l *Lock) Withdraw(ctx context.Context, h Holder) error {
 	})
 }
 
+// RecordBaseline records, once, that the membership reconciler has run in
+// the cluster (at the given time), creating the Lease free if it is
+// missing. It reports the baseline the Lease holds now.
+func (l *Lock) RecordBaseline(ctx context.Context, at time.Time) (string, error) {
+	var baseline string
+	err := l.upsert(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		if baseline = st.Baseline; baseline != "" {
+			return false, nil
+		}
+		baseline = at.UTC().Format(time.RFC3339)
+		metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockMembershipBaselineAnnotation, baseline)
+		return true, nil
+	})
+	return baseline, err
+}
+
+// PutRemoval records r in the Lease's pending removals (replacing the
+// entry of its UID, if any), creating the Lease free if it is missing.
+func (l *Lock) PutRemoval(ctx context.Context, r ichorv1.LockRemoval) error {
+	return l.upsert(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		rs := slices.DeleteFunc(slices.Clone(st.Removals), func(o ichorv1.LockRemoval) bool { return o.UID == r.UID })
+		setRemovals(lease, append(rs, r))
+		return true, nil
+	})
+}
+
+// EndRemoval takes the removal of the gone Node h stands for off the
+// Lease's list and, in the same write, releases the lock if h holds it. It
+// reports whether it released the lock.
+func (l *Lock) EndRemoval(ctx context.Context, h Holder) (released bool, err error) {
+	err = l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
+		_, listed := st.Removal(h.UID)
+		released = st.HeldBy(h)
+		if released {
+			setHolder(lease, Holder{}, time.Time{})
+		}
+		if listed {
+			setRemovals(lease, slices.DeleteFunc(slices.Clone(st.Removals), func(o ichorv1.LockRemoval) bool { return o.UID == h.UID }))
+		}
+		return listed || released, nil
+	})
+	return released, err
+}
+
+// upsert is update on a Lease that it creates, free, when it is missing.
+func (l *Lock) upsert(ctx context.Context, change func(State, *coordinationv1.Lease) (bool, error)) error {
+	return l.change(ctx, true, change)
+}
+
 // update reads the Lease live, lets change decide on a copy, and writes the
 // copy if change says so, reading again while the Lease changes under it. A
 // missing Lease is a free lock with nothing to change.
 func (l *Lock) update(ctx context.Context, change func(State, *coordinationv1.Lease) (bool, error)) error {
+	return l.change(ctx, false, change)
+}
+
+func (l *Lock) change(ctx context.Context, create bool, change func(State, *coordinationv1.Lease) (bool, error)) error {
 	return retry.OnError(retry.DefaultRetry, func(err error) bool { return errors.Is(err, ErrConflict) }, func() error {
 		lease, err := l.read(ctx, l.live())
 		if err != nil {
 			return err
 		}
-		if lease == nil {
+		if lease == nil && !create {
 			_, err := change(State{}, &coordinationv1.Lease{})
 			return err
 		}
-		st, err := stateOf(lease)
-		if err != nil {
+		st := State{}
+		if lease == nil {
+			lease = newLease(l.Namespace)
+		} else if st, err = stateOf(lease); err != nil {
 			return err
+		} else {
+			lease = lease.DeepCopy()
 		}
-		lease = lease.DeepCopy()
 		if write, err := change(st, lease); err != nil || !write {
 			return err
+		}
+		if lease.ResourceVersion == "" {
+			return l.createLease(ctx, lease)
 		}
 		return l.write(ctx, lease, func(*coordinationv1.Lease) {})
 	})

@@ -57,6 +57,34 @@ func members(msg *machine.EtcdMembers) []Member {
 // exactly two members (losing one would lose quorum), every member has a
 // leader and no errors, and no alarm is raised.
 func EtcdHealth(ctx context.Context, c *talosclient.Client, controlPlanes []string) error {
+	return etcdHealth(ctx, c, controlPlanes, func(ms []Member) error {
+		if len(ms) == 2 {
+			return errors.New("etcd has exactly two members: disrupting either loses quorum; add a third control plane or remove one first")
+		}
+		return nil
+	})
+}
+
+// EtcdRemoved is the check that the removal of the control plane named
+// name (whose Node had the given addresses) has settled: etcd lists no
+// member for it (by hostname or peer address) and is healthy on the
+// remaining control planes as EtcdHealth finds it, but for the rule on two
+// members (which is about disrupting one of them, not about health).
+func EtcdRemoved(ctx context.Context, c *talosclient.Client, controlPlanes []string, name string, addresses []string) error {
+	return etcdHealth(ctx, c, controlPlanes, func(ms []Member) error {
+		for _, m := range ms {
+			if m.Hostname == name || slices.ContainsFunc(m.PeerIPs, func(ip string) bool { return slices.Contains(addresses, ip) }) {
+				return fmt.Errorf("etcd still lists member %s (%x, peer %s) for the removed machine %s: remove it (talosctl etcd remove-member)",
+					m.Hostname, m.ID, strings.Join(m.PeerIPs, ","), name)
+			}
+		}
+		return nil
+	})
+}
+
+// etcdHealth is EtcdHealth with check, its caller's own, as the first
+// check of the member list.
+func etcdHealth(ctx context.Context, c *talosclient.Client, controlPlanes []string, check func([]Member) error) error {
 	if len(controlPlanes) == 0 {
 		return errors.New("no control planes to check etcd on")
 	}
@@ -75,6 +103,9 @@ func EtcdHealth(ctx context.Context, c *talosclient.Client, controlPlanes []stri
 			return fmt.Errorf("etcd member lists differ between control planes (%s sees %s, %s sees %s)",
 				hostname(resp.Messages[0].Metadata), describe(first), hostname(msg.Metadata), describe(got))
 		}
+	}
+	if err := check(first); err != nil {
+		return err
 	}
 	if err := checkMembers(first, controlPlanes); err != nil {
 		return err
@@ -113,8 +144,6 @@ func checkMembers(ms []Member, controlPlanes []string) error {
 	switch {
 	case len(ms) == 0:
 		return errors.New("etcd reports no members")
-	case len(ms) == 2:
-		return errors.New("etcd has exactly two members: disrupting either loses quorum; add a third control plane or remove one first")
 	}
 	for _, m := range ms {
 		if m.Learner {
