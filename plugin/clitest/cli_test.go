@@ -655,7 +655,9 @@ func TestLockAndDescribe(t *testing.T) {
 			Lock: ichorv1.LockWaiting, LockHolder: ichorv1.OperationIdentity(ns, "holder")})
 	}
 	acquired := metav1.NewMicroTime(time.Now().Add(-3 * time.Minute))
-	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: ctrl, Name: ichorv1.LockLeaseName},
+	removal := `[{"node":"cp-9","uid":"u9","since":"` + acquired.UTC().Format(time.RFC3339) + `","etcd":"etcd still lists member cp-9"}]`
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: ctrl, Name: ichorv1.LockLeaseName,
+		Annotations: map[string]string{ichorv1.LockRemovalsAnnotation: removal}},
 		Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(ichorv1.OperationIdentity(ns, "holder")), AcquireTime: &acquired}}
 	if err := env.Client.Create(ctx, lease); err != nil {
 		t.Fatal(err)
@@ -665,6 +667,7 @@ func TestLockAndDescribe(t *testing.T) {
 		"Lease:    " + ctrl + "/ichor-cluster-lock",
 		"Holder:   ichor-controller/op/" + ns + "/holder (Running, 2/5)",
 		"(3m ago)",
+		"Removal:  cp-9, gone from Kubernetes 3m ago, not yet from etcd: etcd still lists member cp-9",
 		", in the order they get it",
 	} {
 		if !strings.Contains(out, want) {

@@ -29,6 +29,9 @@ type LockInfo struct {
 	Since *time.Time `json:"since,omitempty"`
 	// HolderPhase is the holding operation's phase, when an operation holds it.
 	HolderPhase string `json:"holderPhase,omitempty"`
+	// Removals are the control planes gone from Kubernetes whose removal
+	// has not settled in etcd: each holds, or waits for, the lock.
+	Removals []ichorv1.LockRemoval `json:"removals,omitempty"`
 	// Waiting are the operations waiting for the lock, in the order they get it.
 	Waiting []Waiter `json:"waiting"`
 	// WaitingUnknown says why the waiters could not be listed.
@@ -60,6 +63,9 @@ func readLock(ctx context.Context, c client.Reader, controllerNS string) (*LockI
 		if lease.Spec.AcquireTime != nil && info.Holder != "" {
 			t := lease.Spec.AcquireTime.Time
 			info.Since = &t
+		}
+		if info.Removals, err = ichorv1.LockRemovals(lease.Annotations); err != nil {
+			return nil, err
 		}
 	}
 	if h, err := ichorv1.ParseLockHolder(info.Holder); err == nil && h.Kind == ichorv1.HolderOperation {
@@ -111,6 +117,14 @@ func (l *LockInfo) print(w io.Writer, now time.Time, indent string) {
 		if l.Since != nil {
 			fmt.Fprintf(w, "%sSince:\t%s (%s ago)\n", indent, l.Since.UTC().Format(time.RFC3339), duration.HumanDuration(now.Sub(*l.Since)))
 		}
+	}
+	for _, r := range l.Removals {
+		etcd := r.Etcd
+		if etcd == "" {
+			etcd = "not checked yet"
+		}
+		fmt.Fprintf(w, "%sRemoval:\t%s, gone from Kubernetes %s ago, not yet from etcd: %s\n", indent,
+			view.Clean(r.Node), duration.HumanDuration(now.Sub(r.Since.Time)), view.Clean(etcd))
 	}
 	if l.WaitingUnknown != "" {
 		fmt.Fprintf(w, "%sWaiting:\tunknown (%s)\n", indent, l.WaitingUnknown)
