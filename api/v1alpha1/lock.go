@@ -228,15 +228,20 @@ type LockWaiter struct {
 
 // LockWaitingJobs reads the Jobs a lock Lease's annotations list as waiting.
 func LockWaitingJobs(annotations map[string]string) ([]LockWaiter, error) {
-	s := annotations[LockWaitingJobsAnnotation]
+	return lockList[LockWaiter](annotations, LockWaitingJobsAnnotation)
+}
+
+// lockList reads the JSON list in the lock Lease's annotation key.
+func lockList[T any](annotations map[string]string, key string) ([]T, error) {
+	s := annotations[key]
 	if s == "" {
 		return nil, nil
 	}
-	var ws []LockWaiter
-	if err := json.Unmarshal([]byte(s), &ws); err != nil {
-		return nil, fmt.Errorf("annotation %s of the cluster lock: %w", LockWaitingJobsAnnotation, err)
+	var list []T
+	if err := json.Unmarshal([]byte(s), &list); err != nil {
+		return nil, fmt.Errorf("annotation %s of the cluster lock: %w", key, err)
 	}
-	return ws, nil
+	return list, nil
 }
 
 // LockRemoval is a control plane whose Node is gone and whose removal has
@@ -261,13 +266,5 @@ type LockRemoval struct {
 
 // LockRemovals reads the removals a lock Lease's annotations list.
 func LockRemovals(annotations map[string]string) ([]LockRemoval, error) {
-	s := annotations[LockRemovalsAnnotation]
-	if s == "" {
-		return nil, nil
-	}
-	var rs []LockRemoval
-	if err := json.Unmarshal([]byte(s), &rs); err != nil {
-		return nil, fmt.Errorf("annotation %s of the cluster lock: %w", LockRemovalsAnnotation, err)
-	}
-	return rs, nil
+	return lockList[LockRemoval](annotations, LockRemovalsAnnotation)
 }

@@ -421,22 +421,23 @@ func setHolder(lease *coordinationv1.Lease, h Holder, since time.Time) {
 	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockHolderObjectAnnotation, h.Object.String())
 }
 
-func setRemovals(lease *coordinationv1.Lease, rs []ichorv1.LockRemoval) {
-	if len(rs) == 0 {
-		delete(lease.Annotations, ichorv1.LockRemovalsAnnotation)
+// setList writes list as the Lease's JSON annotation key, or removes the
+// annotation when list is empty.
+func setList[T any](lease *coordinationv1.Lease, key string, list []T) {
+	if len(list) == 0 {
+		delete(lease.Annotations, key)
 		return
 	}
-	b, _ := json.Marshal(rs) // plain strings and times: cannot fail
-	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockRemovalsAnnotation, string(b))
+	b, _ := json.Marshal(list) // plain strings and times: cannot fail
+	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, key, string(b))
 }
 
 func setWaiting(lease *coordinationv1.Lease, waiting []ichorv1.LockWaiter) {
-	if len(waiting) == 0 {
-		delete(lease.Annotations, ichorv1.LockWaitingJobsAnnotation)
-		return
-	}
-	b, _ := json.Marshal(waiting) // plain strings and times: cannot fail
-	metav1.SetMetaDataAnnotation(&lease.ObjectMeta, ichorv1.LockWaitingJobsAnnotation, string(b))
+	setList(lease, ichorv1.LockWaitingJobsAnnotation, waiting)
+}
+
+func setRemovals(lease *coordinationv1.Lease, rs []ichorv1.LockRemoval) {
+	setList(lease, ichorv1.LockRemovalsAnnotation, rs)
 }
 
 // write applies change to a copy of lease, renews it, and updates it with

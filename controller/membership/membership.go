@@ -422,7 +422,9 @@ func (r *Reconciler) bound() time.Duration {
 // (a restarted controller finds those in the Lease).
 func (r *Reconciler) pending(ctx context.Context, o client.Object) []reconcile.Request {
 	var out []reconcile.Request
-	add := func(name string) { out = append(out, reconcile.Request{NamespacedName: types.NamespacedName{Name: name}}) }
+	add := func(name string) {
+		out = append(out, reconcile.Request{NamespacedName: types.NamespacedName{Name: name}})
+	}
 	removals, err := ichorv1.LockRemovals(o.GetAnnotations())
 	if err != nil {
 		r.Log.Error(err, "read the pending removals")
