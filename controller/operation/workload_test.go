@@ -430,7 +430,8 @@ func TestJobRunsIchor(t *testing.T) {
 	}
 }
 
-// watchLockHolders records each holder the cluster lock Lease had.
+// watchLockHolders records each holder the cluster lock Lease had, from
+// the first.
 func (c *cluster) watchLockHolders() func() []string {
 	c.t.Helper()
 	w, err := env.Kube.CoordinationV1().Leases(c.ctrlNS).Watch(context.Background(), metav1.ListOptions{})
@@ -448,7 +449,8 @@ func (c *cluster) watchLockHolders() func() []string {
 			}
 			h := ptr.Deref(l.Spec.HolderIdentity, "")
 			mu.Lock()
-			if len(holders) == 0 || holders[len(holders)-1] != h {
+			// The Lease may be created free first (the membership baseline).
+			if (len(holders) == 0 && h != "") || (len(holders) > 0 && holders[len(holders)-1] != h) {
 				holders = append(holders, h)
 			}
 			mu.Unlock()
