@@ -209,9 +209,11 @@ func (o *TalosOperation) QueuePlace() QueuePlace {
 }
 
 // WantsLock reports whether the operation holds or waits for the cluster
-// lock: it is not being deleted, not paused by an operator, and not Finished.
+// lock: it is not being deleted, not paused by an operator, not Finished,
+// and nobody asked to cancel it.
 func (o *TalosOperation) WantsLock() bool {
-	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.Finished()
+	cancelled, _ := o.CancelRequested()
+	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.Finished() && !cancelled
 }
 
 // LockWaiter is a Job waiting in the queue for the cluster lock, as

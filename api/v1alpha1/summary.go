@@ -1,6 +1,9 @@
 package v1alpha1
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 // The functions in this file read an operation's state the same way for the
 // plugin (exit codes, hints, completion) and the controller (lock takeover,
@@ -8,6 +11,23 @@ import "fmt"
 
 // Succeeded reports whether the operation is done.
 func (o *TalosOperation) Succeeded() bool { return o.Status.Phase == PhaseSucceeded }
+
+// Cancelled reports whether the operation was cancelled.
+func (o *TalosOperation) Cancelled() bool { return o.Status.Phase == PhaseCancelled }
+
+// CancelRequested reports whether an operator asked to cancel the
+// operation, and who: the CancelAnnotation's value ("an operator" when
+// empty).
+func (o *TalosOperation) CancelRequested() (bool, string) {
+	who, ok := o.Annotations[CancelAnnotation]
+	if !ok {
+		return false, ""
+	}
+	if who = strings.TrimSpace(who); who == "" {
+		who = "an operator"
+	}
+	return true, who
+}
 
 // Refused reports whether preflight refused the operation (nothing ran).
 func (o *TalosOperation) Refused() bool { return o.Status.Phase == PhaseRefused }
@@ -46,8 +66,8 @@ func (o *TalosOperation) Failed() bool {
 }
 
 // Finished reports whether the operation has reached an end that only a
-// person can change: it succeeded, or it Failed.
-func (o *TalosOperation) Finished() bool { return o.Succeeded() || o.Failed() }
+// person can change: it succeeded, it Failed, or it was cancelled.
+func (o *TalosOperation) Finished() bool { return o.Succeeded() || o.Failed() || o.Cancelled() }
 
 // InFlight names the machines that have a step in flight, as status
 // records it: in progress and not stopped between steps. A restarted

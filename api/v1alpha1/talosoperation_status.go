@@ -5,7 +5,7 @@ import (
 )
 
 // Phase is where an operation stands.
-// +kubebuilder:validation:Enum=Pending;Refused;Running;Paused;Succeeded
+// +kubebuilder:validation:Enum=Pending;Refused;Running;Paused;Succeeded;Cancelled
 type Phase string
 
 // Operation phases.
@@ -18,6 +18,10 @@ const (
 	// PhasePaused: see Reason for why.
 	PhasePaused    Phase = "Paused"
 	PhaseSucceeded Phase = "Succeeded"
+	// PhaseCancelled: an operator cancelled it (CancelAnnotation); it stops
+	// for good once the steps in flight have settled, its cordons lifted
+	// and the cluster lock let go. The record stays.
+	PhaseCancelled Phase = "Cancelled"
 )
 
 // Reasons an operation is Paused, in status.reason.

@@ -10,6 +10,11 @@ const (
 	// RetryRequested is the one value of RetryAnnotation that is acted on.
 	RetryRequested = "true"
 
+	// CancelAnnotation on an operation cancels it for good; its value says
+	// who asked (kubectl ichor operation cancel writes the requester's user
+	// name). Unlike deleting, the record stays.
+	CancelAnnotation = "ichor.maesh.dev/cancel"
+
 	// UpgradeHoldAnnotation on a Node skips that machine (machine phase Skipped).
 	UpgradeHoldAnnotation = "ichor.maesh.dev/upgrade-hold"
 	// UpgradeOrderLabel (an integer) on a Node sorts machines within their tier.

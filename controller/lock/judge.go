@@ -111,6 +111,8 @@ func operationVerdict(op *ichorv1.TalosOperation) Verdict {
 		return over("completed")
 	case op.Refused() && op.Failed():
 		return over("refused")
+	case op.Cancelled() && op.Settled():
+		return over("cancelled")
 	case op.FailedAndSettled() && !op.PausedByOperator():
 		return stale("paused on a failed step")
 	}

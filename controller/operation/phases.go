@@ -409,7 +409,7 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 			return result, nil
 		}
 	}
-	if err := t.uncordon(ctx); err != nil {
+	if err := t.uncordon(ctx, "the operation was deleted"); err != nil {
 		return ctrl.Result{}, err
 	}
 	if err := r.release(ctx, op); err != nil {
@@ -422,9 +422,42 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 	return ctrl.Result{}, client.IgnoreNotFound(r.Client.Update(ctx, op))
 }
 
+// reconcileCancel stops a cancelled operation for good and keeps its
+// record: as on delete, the steps in flight settle (nothing new starts),
+// then the cordons it made are lifted and the cluster lock goes to the next
+// waiter; the phase is Cancelled throughout.
+func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
+	var result ctrl.Result
+	if !t.op.Settled() {
+		if _, err := t.prepare(ctx); err != nil {
+			return ctrl.Result{}, err
+		}
+		if t.exec != nil && t.talos != nil {
+			t.collect()
+			result = t.settle(ctx)
+		}
+	}
+	if t.op.Settled() {
+		if err := t.uncordon(ctx, "the operation was cancelled"); err != nil {
+			return ctrl.Result{}, err
+		}
+		if err := t.r.release(ctx, t.op); err != nil {
+			return ctrl.Result{}, err
+		}
+		t.op.Status.Lock = ""
+	}
+	deriveStatus(t.op, t.now, "")
+	t.announce()
+	if err := t.write(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
+	t.launch(ctx)
+	return result, t.removeRetry(ctx)
+}
+
 // uncordon lifts the cordons the operation made (its identity marks them),
 // with its kind's own uncordon step: nothing else of it is rolled back.
-func (t *turn) uncordon(ctx context.Context) error {
+func (t *turn) uncordon(ctx context.Context, why string) error {
 	if t.exec == nil {
 		t.exec = t.r.Executors[t.op.Spec.Kind]
 	}
@@ -457,7 +490,7 @@ func (t *turn) uncordon(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("lift the cordon of %s: %w", m.Name, err)
 		}
-		t.event(corev1.EventTypeNormal, "Uncordoned", "%s: cordon lifted (the operation was deleted)", m.Name)
+		t.event(corev1.EventTypeNormal, "Uncordoned", "%s: cordon lifted (%s)", m.Name, why)
 	}
 	for _, e := range t.events {
 		e()

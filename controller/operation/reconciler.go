@@ -107,6 +107,8 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		return ctrl.Result{}, r.Client.Update(ctx, op)
 	case over(op):
 		return t.reconcileOver(ctx)
+	case cancelRequested(op):
+		return t.reconcileCancel(ctx)
 	}
 	defer func() {
 		log.V(1).Info("reconciled", "took", r.now().Sub(t.now.Time).String(), "phase", t.op.Status.Phase)
@@ -235,6 +237,13 @@ func describe(fs []preflight.Failure) string {
 
 // over reports whether the operation has ended: it succeeded, or it was
 // refused and no override waits to run it (the API's Failed says when).
+// cancelRequested reports whether an operator cancelled an operation that
+// had not succeeded.
+func cancelRequested(op *ichorv1.TalosOperation) bool {
+	asked, _ := op.CancelRequested()
+	return asked && !op.Succeeded()
+}
+
 func over(op *ichorv1.TalosOperation) bool {
 	return op.Succeeded() || (op.Refused() && op.Failed())
 }

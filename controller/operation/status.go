@@ -39,7 +39,7 @@ func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 			st.Lock = ""
 		}
 	}
-	switch terminal := st.Phase == ichorv1.PhaseSucceeded || st.Phase == ichorv1.PhaseRefused; {
+	switch terminal := st.Phase == ichorv1.PhaseSucceeded || st.Phase == ichorv1.PhaseRefused || st.Phase == ichorv1.PhaseCancelled; {
 	case terminal && st.CompletionTime == nil:
 		st.CompletionTime = &now
 	case !terminal:
@@ -62,13 +62,15 @@ const (
 	pausedByYou = "paused by an operator (spec.paused); `kubectl ichor operation resume` lifts it"
 )
 
-// phaseOf says where the operation stands, in order of precedence: refused,
+// phaseOf says where the operation stands, in order of precedence: cancelled, refused,
 // succeeded, paused on a failed step, paused by an operator, waiting for the
 // lock, pending (not started), running.
 func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, string) {
 	st := &op.Status
 	api := meta.FindStatusCondition(st.Conditions, ConditionTalosAPI)
 	switch {
+	case cancelRequested(op):
+		return ichorv1.PhaseCancelled, "Cancelled", cancelledMessage(op)
 	case len(refusals(op)) > 0:
 		return ichorv1.PhaseRefused, preflight.ConditionReason, refusedMessage(refusals(op))
 	case st.StartTime != nil && allDone(st.Machines):
@@ -153,6 +155,27 @@ func cut(s string, n int) string {
 		s = s[:len(s)-1]
 	}
 	return s + mark
+}
+
+// cancelledMessage says who cancelled the operation, which machines were
+// done, and what it still waits for before it lets go.
+func cancelledMessage(op *ichorv1.TalosOperation) string {
+	_, who := op.CancelRequested()
+	st := &op.Status
+	var done []string
+	for _, m := range st.Machines {
+		if m.Phase == ichorv1.MachineSucceeded {
+			done = append(done, m.Name)
+		}
+	}
+	msg := "cancelled by " + who + "; done on " + plan.Progress(st.Machines) + " machine(s)"
+	if len(done) > 0 {
+		msg += ": " + strings.Join(done, ", ")
+	}
+	if inFlight := st.InFlight(); len(inFlight) > 0 {
+		msg += "; the steps in flight settle before the cordons are lifted and the cluster lock is let go: " + strings.Join(inFlight, ", ")
+	}
+	return msg
 }
 
 // failureMessage says which step failed where: the failure's reason, the

@@ -61,6 +61,11 @@ func resumable(op *ichorv1.TalosOperation) bool {
 	return !op.Succeeded() && !op.Refused() && (op.PausedByOperator() || (op.StepFailed() && !op.RetryPending()))
 }
 
+func cancellable(op *ichorv1.TalosOperation) bool {
+	asked, _ := op.CancelRequested()
+	return !asked && !op.Succeeded() && !op.Cancelled()
+}
+
 func retryable(op *ichorv1.TalosOperation) bool { return op.StepFailed() && !op.RetryPending() }
 
 // completeOperations completes operation names in the namespace the command

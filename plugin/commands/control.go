@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/spf13/cobra"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
@@ -51,6 +52,8 @@ func finished(op *ichorv1.TalosOperation, verb string) error {
 	switch {
 	case op.Succeeded():
 		return fmt.Errorf("talosoperation %q is Succeeded; nothing to %s", op.Name, verb)
+	case op.Cancelled():
+		return fmt.Errorf("talosoperation %q is Cancelled; nothing to %s: create a new operation", op.Name, verb)
 	case op.Refused() && op.Failed():
 		return fmt.Errorf("talosoperation %q is Refused (preflight said no and nothing ran); nothing to %s: fix what was refused and create a new operation", op.Name, verb)
 	}
@@ -237,6 +240,59 @@ func (o *controlOptions) apply(ctx context.Context, c client.Client, name string
 		fmt.Fprintln(o.e.Streams.ErrOut, p.note)
 	}
 	return before, p, nil
+}
+
+// planCancel sets the cancel annotation, naming who asked. who is looked up
+// only when there is something to cancel.
+func planCancel(who func() string) func(*ichorv1.TalosOperation, string) (plan, error) {
+	return func(op *ichorv1.TalosOperation, _ string) (plan, error) {
+		if err := finished(op, "cancel"); err != nil {
+			return plan{}, err
+		}
+		if asked, by := op.CancelRequested(); asked {
+			return plan{verb: "already cancelled (by " + view.Clean(by) + ")"}, nil
+		}
+		patch := mustJSON(map[string]any{"metadata": map[string]any{"annotations": map[string]string{ichorv1.CancelAnnotation: who()}}})
+		return plan{patch: patch, verb: "cancelled"}, nil
+	}
+}
+
+// requester is the user the API server knows the caller as (a
+// SelfSubjectReview), or "" when it cannot say.
+func requester(ctx context.Context, c client.Client) string {
+	r := &authenticationv1.SelfSubjectReview{}
+	if err := c.Create(ctx, r); err != nil {
+		return ""
+	}
+	return r.Status.UserInfo.Username
+}
+
+func newCancelCmd(e *Env) *cobra.Command {
+	o := &controlOptions{action: "cancel"}
+	o.plan = planCancel(func() string {
+		c, err := o.e.NewClient()
+		if err != nil {
+			return ""
+		}
+		return requester(context.Background(), c)
+	})
+	return newControlCmd(e, o, &cobra.Command{
+		Use:   "cancel NAME...",
+		Short: "Stop operations for good, keeping their record",
+		Long: fmt.Sprintf(`Cancel operations: each stops for good, and unlike delete its record stays.
+The steps in flight settle first (a machine mid-reboot comes back), then the
+cordons the operation made are lifted and the cluster lock goes to the next
+waiter. The phase becomes Cancelled, and the message says by whom and which
+machines were done. This sets the annotation %[2]s=<your user name>,
+as
+
+  kubectl annotate talosoperation NAME %[2]s=alice
+
+does. Nothing done is rolled back; a cancelled operation cannot be resumed:
+create a new one.`, e.Name, ichorv1.CancelAnnotation),
+		Example:           fmt.Sprintf("  %[1]s operation cancel upgrade-talos-7fk2q", e.Name),
+		ValidArgsFunction: e.completeOperations(cancellable),
+	})
 }
 
 func newPauseCmd(e *Env) *cobra.Command {

@@ -23,7 +23,7 @@ func newOperationCmd(e *Env) *cobra.Command {
 		Aliases: []string{"op", "ops", "operations"},
 		Short:   "List, describe, pause, resume, retry and delete operations",
 	}
-	cmd.AddCommand(newListCmd(e), newDescribeCmd(e), newPauseCmd(e), newResumeCmd(e), newRetryCmd(e), newDeleteCmd(e))
+	cmd.AddCommand(newListCmd(e), newDescribeCmd(e), newPauseCmd(e), newResumeCmd(e), newRetryCmd(e), newCancelCmd(e), newDeleteCmd(e))
 	return cmd
 }
 
