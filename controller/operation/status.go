@@ -62,9 +62,9 @@ const (
 	pausedByYou = "paused by an operator (spec.paused); `kubectl ichor operation resume` lifts it"
 )
 
-// phaseOf says where the operation stands, in order of precedence: cancelled, refused,
-// succeeded, paused on a failed step, paused by an operator, waiting for the
-// lock, pending (not started), running.
+// phaseOf says where the operation stands, in order of precedence:
+// cancelled, refused, succeeded, paused on a failed step, paused by an
+// operator, waiting for the lock, pending (not started), running.
 func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, string) {
 	st := &op.Status
 	api := meta.FindStatusCondition(st.Conditions, ConditionTalosAPI)
