@@ -162,15 +162,16 @@ func cut(s string, n int) string {
 func cancelledMessage(op *ichorv1.TalosOperation) string {
 	_, who := op.CancelRequested()
 	st := &op.Status
-	var done []string
+	var names []string
 	for _, m := range st.Machines {
 		if m.Phase == ichorv1.MachineSucceeded {
-			done = append(done, m.Name)
+			names = append(names, m.Name)
 		}
 	}
-	msg := "cancelled by " + who + "; done on " + plan.Progress(st.Machines) + " machine(s)"
-	if len(done) > 0 {
-		msg += ": " + strings.Join(done, ", ")
+	done, _, _ := strings.Cut(plan.Progress(st.Machines), ", ")
+	msg := "cancelled by " + who + "; done on " + done + " machine(s)"
+	if len(names) > 0 {
+		msg += ": " + strings.Join(names, ", ")
 	}
 	if inFlight := st.InFlight(); len(inFlight) > 0 {
 		msg += "; the steps in flight settle before the cordons are lifted and the cluster lock is let go: " + strings.Join(inFlight, ", ")

@@ -98,6 +98,13 @@ func succeeded(op *ichorv1.TalosOperation) { op.Status.Phase = ichorv1.PhaseSucc
 
 func refused(op *ichorv1.TalosOperation) { op.Status.Phase = ichorv1.PhaseRefused }
 
+func cancelled(op *ichorv1.TalosOperation) {
+	op.Annotations = map[string]string{ichorv1.CancelAnnotation: "alice"}
+	op.Status.Phase, op.Status.Reason = ichorv1.PhaseCancelled, "Cancelled"
+	op.Status.Message = "cancelled by alice; done on 0/1 machine(s)"
+	op.Status.Machines = []ichorv1.MachineStatus{{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachinePending}}
+}
+
 func waitingForLock(op *ichorv1.TalosOperation) {
 	op.Status.Phase, op.Status.Reason = ichorv1.PhasePaused, ichorv1.ReasonClusterLockHeld
 	op.Status.Lock, op.Status.LockHolder = ichorv1.LockWaiting, ichorv1.OperationIdentity("ops", "first")
@@ -254,6 +261,10 @@ func TestOutcome(t *testing.T) {
 		{"operator paused", newOp("a", operatorPaused), -1, false, 0},
 		{"waiting for the lock", newOp("a", waitingForLock), -1, false, 0},
 		{"failed, retry pending", newOp("a", stepFailed, retryPending), -1, false, 0},
+		{"cancelled, a step in flight", newOp("a", cancelled, func(op *ichorv1.TalosOperation) {
+			op.Status.Lock, op.Status.Machines[0].Phase = ichorv1.LockHeld, ichorv1.MachineInProgress
+		}), -1, false, 0},
+		{"cancelled and settled", newOp("a", cancelled), -1, true, ExitFailed},
 		// The controller has removed the annotation but not yet cleared the
 		// failure of the retry this command asked for: not the outcome.
 		{"old failure after own retry", newOp("a", stepFailed), 0, false, 0},

@@ -78,12 +78,19 @@ func exitError(code int, format string, a ...any) error {
 }
 
 // outcome says whether a followed operation has come to an end: nil error
-// when it succeeded, exit code 2 when it failed. A failure observed while a
+// when it succeeded, exit code 2 when it failed or was cancelled. A failure observed while a
 // retry asked for by this command is still on its way (retryCount not past
 // baseline) is the old failure and does not count.
 func outcome(op *ichorv1.TalosOperation, retryBaseline int32, command string) (bool, error) {
 	if op.Succeeded() {
 		return true, nil
+	}
+	if op.Cancelled() {
+		// It ends once the steps in flight have settled and the lock is let go.
+		if !op.Settled() || op.Status.Lock == ichorv1.LockHeld {
+			return false, nil
+		}
+		return true, exitError(ExitFailed, "%s was cancelled: %s", ref(op.Name), view.Clean(op.Status.Message))
 	}
 	if retryBaseline >= 0 && op.Status.RetryCount <= retryBaseline {
 		return false, nil

@@ -39,8 +39,9 @@ one row when they do not fit the terminal.
 On a terminal the view redraws in place; otherwise it prints an append-only,
 timestamped log of changes; -o json streams one watch event per line.
 
-The watch ends by itself when the operation succeeds (exit 0), a step fails or
-preflight refuses it (exit 2); --timeout ends it with exit 3 and Ctrl-C with
+The watch ends by itself when the operation succeeds (exit 0), a step fails,
+preflight refuses it or it was cancelled (exit 2, once the steps in flight have
+settled); --timeout ends it with exit 3 and Ctrl-C with
 130. Without NAME or --latest it shows every operation in the namespace until
 interrupted or --timeout.
 

@@ -180,7 +180,11 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 			}
 		}
 	}
-	if op.Status.Message != "" && (!op.StepFailed() || len(failed) == 0) {
+	switch {
+	case op.Cancelled():
+		// who cancelled it and which machines were done are read in full.
+		long(faint, "Message: ", Clean(op.Status.Message))
+	case op.Status.Message != "" && (!op.StepFailed() || len(failed) == 0):
 		note(faint, "Message: ", Clean(op.Status.Message))
 	}
 	if op.Refused() {
@@ -191,6 +195,10 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		}
 	}
 	switch {
+	case op.Cancelled() && op.Settled():
+		note(faint, "Next:    ", "the record stays; to start again, create a new operation")
+	case op.Cancelled():
+		// The message says what it waits for.
 	case op.StepFailed() && op.RetryPending() && op.PausedByOperator():
 		note(yellow, "Next:    ", fmt.Sprintf("retry requested; it runs once resumed: %s operation resume %s", o.Command, name))
 	case op.StepFailed() && op.RetryPending():

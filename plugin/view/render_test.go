@@ -118,6 +118,20 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 	}
 	s["succeeded"] = done
 
+	// Cancelled by alice with cp-2's reboot in flight, then once it settled:
+	// cp-1 done, the rest never touched.
+	settling := running.DeepCopy()
+	settling.Annotations = map[string]string{ichorv1.CancelAnnotation: "alice"}
+	settling.Status.Phase, settling.Status.Reason = ichorv1.PhaseCancelled, "Cancelled"
+	settling.Status.CompletionTime = ago(10 * time.Second)
+	settling.Status.Message = "cancelled by alice; done on 1/7 machine(s): cp-1; the steps in flight settle before the cordons are lifted and the cluster lock is let go: cp-2: reboot"
+	s["cancelled-settling"] = settling
+	cancelled := settling.DeepCopy()
+	cancelled.Status.Lock, cancelled.Status.Current, cancelled.Status.Progress = "", "", "2/7, 1 held"
+	cancelled.Status.Machines[1] = machine("cp-2", ichorv1.RoleControlPlane, ichorv1.MachineSucceeded, "", 45*time.Second, 5*time.Second, "running v1.13.7")
+	cancelled.Status.Message = "cancelled by alice; done on 2/7 machine(s): cp-1, cp-2"
+	s["cancelled"] = cancelled
+
 	cni := baseOp()
 	cni.Name, cni.Spec.Kind, cni.Spec.Talos = "upgrade-cni-x8v2d", ichorv1.KindCNI, nil
 	cni.Spec.CNI = &ichorv1.CNIChange{}

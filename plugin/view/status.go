@@ -29,7 +29,7 @@ func (i icon) String(ascii bool) string {
 
 // Legend explains the icons; `watch --help` prints it.
 func Legend() string {
-	return fmt.Sprintf("  %s succeeded  %s in progress  %s pending or waiting  %s paused  %s failed or refused  %s skipped\n"+
+	return fmt.Sprintf("  %s succeeded  %s in progress  %s pending or waiting  %s paused  %s failed or refused  %s skipped or cancelled\n"+
 		"  (with --ascii: %s %s %s %s %s %s)",
 		iconOK.unicode, iconProgress.unicode, iconWaiting.unicode, iconPaused.unicode, iconBad.unicode, iconSkipped.unicode,
 		iconOK.ascii, iconProgress.ascii, iconWaiting.ascii, iconPaused.ascii, iconBad.ascii, iconSkipped.ascii)
@@ -43,6 +43,8 @@ func opState(op *ichorv1.TalosOperation) (icon, style, string) {
 		return iconOK, green, string(ichorv1.PhaseSucceeded)
 	case op.Refused():
 		return iconBad, red, string(ichorv1.PhaseRefused)
+	case op.Cancelled():
+		return iconSkipped, faint, string(ichorv1.PhaseCancelled)
 	case op.StepFailed() && !op.RetryPending():
 		// Paused by a failed step: the phase, with the reason StepFailed beside it.
 		return iconBad, red, string(ichorv1.PhasePaused)
