@@ -217,16 +217,24 @@ func setPausedCondition(op *ichorv1.TalosOperation) {
 	setCondition(op, ichorv1.ConditionPaused, op.Status.Phase == ichorv1.PhasePaused, op.Status.Reason)
 }
 
-// stalled reports whether only a person can move the operation on.
+// stalled reports whether only a person can move the operation on, or
+// nothing can: it was cancelled and its steps in flight have settled.
 func stalled(op *ichorv1.TalosOperation) bool {
-	return op.Status.Phase == ichorv1.PhaseRefused || op.Status.Phase == ichorv1.PhasePaused && op.FailedAndSettled()
+	switch op.Status.Phase {
+	case ichorv1.PhaseRefused:
+		return true
+	case ichorv1.PhaseCancelled:
+		return op.Settled()
+	}
+	return op.Status.Phase == ichorv1.PhasePaused && op.FailedAndSettled()
 }
 
-// setStalledCondition: True when refused, or paused on a failed step once
-// the steps in flight have settled, with the failure's reason.
+// setStalledCondition: True when refused, paused on a failed step or
+// cancelled, once the steps in flight have settled, with the failure's
+// reason (a cancelled operation's: Cancelled).
 func setStalledCondition(op *ichorv1.TalosOperation) {
 	reason := op.Status.Reason
-	if op.Status.FailureReason != "" {
+	if op.Status.FailureReason != "" && op.Status.Phase != ichorv1.PhaseCancelled {
 		reason = op.Status.FailureReason
 	}
 	setCondition(op, ichorv1.ConditionStalled, stalled(op), reason)

@@ -73,6 +73,12 @@ func refusedBy(check, msg string) func(*ichorv1.TalosOperation) {
 		setChecks(op, []preflight.Failure{{Check: check, Message: msg}}, false)
 	}
 }
+func cancelledBy(who string) func(*ichorv1.TalosOperation) {
+	return func(op *ichorv1.TalosOperation) {
+		isStarted(op)
+		op.Annotations = map[string]string{ichorv1.CancelAnnotation: who}
+	}
+}
 func talosconfigMissing(op *ichorv1.TalosOperation) {
 	meta.SetStatusCondition(&op.Status.Conditions, metav1.Condition{Type: ConditionTalosAPI, Status: metav1.ConditionFalse, Reason: "TalosconfigMissing", Message: "create the Secret"})
 }
@@ -103,6 +109,10 @@ var phaseCases = []struct {
 	{"every machine skipped, not started", opIn([]ichorv1.MachinePhase{skipped}), "", ichorv1.PhasePending, "", "checking"},
 	{"refused", opIn([]ichorv1.MachinePhase{pending}, refusedBy(preflight.TalosVersionNewer, "v1.12.2 is not newer")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "preflight refused the operation; set spec.override"},
 	{"refused, not overridable", opIn(nil, refusedBy(CheckKindSupported, "kind etcd-restore")), "", ichorv1.PhaseRefused, preflight.ConditionReason, "refused; nothing ran: KindSupported: kind etcd-restore"},
+	{"cancelled, a step settling", opIn([]ichorv1.MachinePhase{succeeded, inProgress, pending}, cancelledBy("alice")), "", ichorv1.PhaseCancelled, "Cancelled",
+		"cancelled by alice; done on 1/3 machine(s): cp; the steps in flight settle before the cordons are lifted and the cluster lock is let go: w1: install"},
+	{"cancelled", opIn([]ichorv1.MachinePhase{succeeded, succeeded, skipped, pending}, cancelledBy("")), "", ichorv1.PhaseCancelled, "Cancelled",
+		"cancelled by an operator; done on 2/4 machine(s): cp, w1"},
 }
 
 func derived(t *testing.T, i int) *ichorv1.TalosOperation {
@@ -123,7 +133,7 @@ func TestDeriveStatusPhase(t *testing.T) {
 			if st.ObservedGeneration != op.Generation {
 				t.Errorf("observedGeneration %d, want %d", st.ObservedGeneration, op.Generation)
 			}
-			terminal := tt.phase == ichorv1.PhaseSucceeded || tt.phase == ichorv1.PhaseRefused
+			terminal := tt.phase == ichorv1.PhaseSucceeded || tt.phase == ichorv1.PhaseRefused || tt.phase == ichorv1.PhaseCancelled
 			if (st.CompletionTime != nil) != terminal {
 				t.Errorf("completionTime %v on a %s operation", st.CompletionTime, st.Phase)
 			}
@@ -168,7 +178,7 @@ func TestSetProgressingCondition(t *testing.T) {
 func TestSetStalledCondition(t *testing.T) {
 	conditionCase(t, ichorv1.ConditionStalled, map[string]metav1.ConditionStatus{
 		"failed": metav1.ConditionTrue, "failed twice": metav1.ConditionTrue, "failed and paused, retry waits": metav1.ConditionTrue,
-		"refused": metav1.ConditionTrue, "refused, not overridable": metav1.ConditionTrue,
+		"refused": metav1.ConditionTrue, "refused, not overridable": metav1.ConditionTrue, "cancelled": metav1.ConditionTrue,
 	})
 }
 
@@ -177,7 +187,7 @@ func TestSetReconcilingCondition(t *testing.T) {
 	for _, tt := range phaseCases {
 		want[tt.name] = metav1.ConditionTrue
 	}
-	for _, done := range []string{"succeeded", "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable"} {
+	for _, done := range []string{"succeeded", "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable", "cancelled"} {
 		want[done] = metav1.ConditionFalse
 	}
 	conditionCase(t, ichorv1.ConditionReconciling, want)
@@ -194,13 +204,14 @@ func TestSetPausedCondition(t *testing.T) {
 
 // gitOpsHealth is what kstatus (Flux, kpt) and Argo CD must say of each of
 // phaseCases: still moving by itself is InProgress (Progressing), succeeded
-// is Current (Healthy), refused or stopped on a failed step is Failed
-// (Degraded).
+// is Current (Healthy), refused, stopped on a failed step or cancelled (once
+// its steps in flight have settled) is Failed (Degraded): it will not do
+// what it was created for.
 func gitOpsHealth(name string) (kstatus.Status, string) {
 	switch name {
 	case "succeeded":
 		return kstatus.CurrentStatus, "Healthy"
-	case "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable":
+	case "failed", "failed twice", "failed and paused, retry waits", "refused", "refused, not overridable", "cancelled":
 		return kstatus.FailedStatus, "Degraded"
 	}
 	return kstatus.InProgressStatus, "Progressing"
