@@ -33,6 +33,7 @@ type createOptions struct {
 	override       bool
 	selector       string
 	yes            bool
+	plan           bool
 	follow         followFlags
 	printFlags     *genericclioptions.PrintFlags
 
@@ -66,7 +67,8 @@ func newCreateCmd(e *Env, o *createOptions, cmd *cobra.Command, flags func(*cobr
 	f.BoolVar(&o.paused, "paused", false, "Create the operation paused; start it with 'operation resume'")
 	f.BoolVar(&o.override, "override", false, "Run although preflight refuses (needs the override verb; leaves a Warning Event)")
 	f.StringVarP(&o.selector, "selector", "l", "", "Only the machines (Nodes) matching this label selector, like 'topology.kubernetes.io/zone=a'")
-	f.BoolVarP(&o.yes, "yes", "y", false, "Do not ask for confirmation")
+	f.BoolVarP(&o.yes, "yes", "y", false, "Do not ask for confirmation (with --plan: run the plan without asking)")
+	f.BoolVar(&o.plan, "plan", false, "Create the operation paused, print ichor-controller's plan (checks, machines in order with batches, from -> to, reboots) and ask whether to run it; without a terminal it stays paused")
 	cmdutil.AddDryRunFlag(cmd)
 	o.printFlags.AddFlags(cmd)
 	o.follow.addFlags(cmd, true)
@@ -95,7 +97,7 @@ func (o *createOptions) Complete(cmd *cobra.Command, args []string) error {
 		ObjectMeta: metav1.ObjectMeta{Namespace: o.namespace, Name: o.name},
 		Spec: ichorv1.TalosOperationSpec{
 			Kind:           o.kind,
-			Paused:         o.paused,
+			Paused:         o.paused || o.plan,
 			Override:       o.override,
 			MaxUnavailable: o.maxUnavailable,
 		},
@@ -124,6 +126,9 @@ func (o *createOptions) Validate() error {
 	if o.dryRun != cmdutil.DryRunNone && o.follow.following() {
 		return usageErrorf("--watch and --wait follow a real operation: they cannot be used with --dry-run")
 	}
+	if o.dryRun != cmdutil.DryRunNone && o.plan {
+		return usageErrorf("--plan shows what ichor-controller plans for a real operation: it cannot be used with --dry-run")
+	}
 	return o.follow.validate()
 }
 
@@ -150,7 +155,8 @@ func (o *createOptions) Run(ctx context.Context) error {
 	if err := o.precheck(ctx, c, ctrl); err != nil {
 		return err
 	}
-	if o.danger != nil && o.dryRun == cmdutil.DryRunNone && !o.yes {
+	// With --plan, nothing runs before the question after the plan.
+	if o.danger != nil && o.dryRun == cmdutil.DryRunNone && !o.yes && !o.plan {
 		if err := o.e.confirm(o.danger(&o.op.Spec)); err != nil {
 			return err
 		}
@@ -168,13 +174,16 @@ func (o *createOptions) Run(ctx context.Context) error {
 	if o.dryRun == cmdutil.DryRunServer {
 		return nil
 	}
-	if !o.follow.following() {
-		return o.e.verdict(ctx, c, o.op, noController)
-	}
-	// With -o, stdout carries only what -o asked for; the live view goes to stderr.
+	// With -o, stdout carries only what -o asked for; the plan and the live view go to stderr.
 	view := o.e.Streams.Out
 	if o.printFlags.OutputFormat != nil && *o.printFlags.OutputFormat != "" {
 		view = o.e.Streams.ErrOut
+	}
+	if o.plan {
+		return o.runPlan(ctx, c, view)
+	}
+	if !o.follow.following() {
+		return o.e.verdict(ctx, c, o.op, noController)
 	}
 	return o.e.follow(ctx, c, o.namespace, o.op.Name, o.follow, view, -1)
 }
@@ -225,16 +234,25 @@ func (e *Env) confirm(what string) error {
 	if !e.IsTerminal(e.Streams.In) {
 		return fmt.Errorf("%s; confirm with --yes (-y), as there is no terminal to ask on", sentenceInside(what))
 	}
-	fmt.Fprintf(e.Streams.ErrOut, "%s\nProceed? [y/N]: ", what)
+	yes, err := e.ask(what + "\nProceed?")
+	if err != nil || yes {
+		return err
+	}
+	return fmt.Errorf("aborted by user")
+}
+
+// ask asks a yes/no question on the terminal; no is the default.
+func (e *Env) ask(question string) (bool, error) {
+	fmt.Fprintf(e.Streams.ErrOut, "%s [y/N]: ", question)
 	answer, err := bufio.NewReader(e.Streams.In).ReadString('\n')
 	if err != nil && answer == "" {
-		return fmt.Errorf("aborted: no answer")
+		return false, fmt.Errorf("aborted: no answer")
 	}
 	switch strings.ToLower(strings.TrimSpace(answer)) {
 	case "y", "yes":
-		return nil
+		return true, nil
 	}
-	return fmt.Errorf("aborted by user")
+	return false, nil
 }
 
 // sentenceInside turns a sentence into a clause that can start an error

@@ -105,7 +105,7 @@ func failure(op *ichorv1.TalosOperation, command string) error {
 	if op.Refused() {
 		var checks []string
 		for _, c := range op.Status.Conditions {
-			if c.Status == metav1.ConditionFalse && c.Type != ichorv1.ConditionReady && c.Type != ichorv1.ConditionProgressing && c.Type != ichorv1.ConditionPaused {
+			if c.Status == metav1.ConditionFalse && !view.StandardCondition(c.Type) {
 				checks = append(checks, view.Clean(c.Type+": "+c.Message))
 			}
 		}

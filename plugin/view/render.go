@@ -189,7 +189,7 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	}
 	if op.Refused() {
 		for _, c := range op.Status.Conditions {
-			if c.Status == metav1.ConditionFalse && !builtinCondition(c.Type) {
+			if c.Status == metav1.ConditionFalse && !StandardCondition(c.Type) {
 				long(red, "  "+iconBad.String(o.ASCII)+" ", Clean(c.Type+": "+c.Message))
 			}
 		}
@@ -268,8 +268,15 @@ func ordinal(n int) string {
 	return fmt.Sprintf("%d%s", n, suffix)
 }
 
-func builtinCondition(t string) bool {
-	return t == ichorv1.ConditionReady || t == ichorv1.ConditionProgressing || t == ichorv1.ConditionPaused
+// StandardCondition reports whether a condition type is one of the
+// operation's own (Ready, Progressing, Paused, Stalled, Reconciling), which
+// repeat its message, rather than a check's.
+func StandardCondition(t string) bool {
+	switch t {
+	case ichorv1.ConditionReady, ichorv1.ConditionProgressing, ichorv1.ConditionPaused, ichorv1.ConditionStalled, ichorv1.ConditionReconciling:
+		return true
+	}
+	return false
 }
 
 // elapsed is how long the operation has run (or ran), or its age before it

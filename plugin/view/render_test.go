@@ -436,3 +436,27 @@ func BenchmarkRender5000(b *testing.B) {
 	perFrame := b.Elapsed() / time.Duration(b.N)
 	b.ReportMetric(float64(perFrame)/float64(50*time.Millisecond), "budget-ratio")
 }
+
+// TestPlanGolden prints the plans of operations created paused: a Talos
+// upgrade over three control planes and four workers, two at a time, one
+// held; a configuration rollout whose machines reboot or not.
+func TestPlanGolden(t *testing.T) {
+	talos := scenarios()["running"]
+	talos.Spec.Paused, talos.Spec.MaxUnavailable = true, 2
+	talos.Status.Phase, talos.Status.Reason, talos.Status.StartTime = ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, nil
+	for i := range talos.Status.Machines {
+		if m := &talos.Status.Machines[i]; m.Phase != ichorv1.MachineSkipped {
+			m.Phase, m.Step, m.Message, m.StartedAt, m.FinishedAt = ichorv1.MachinePending, "", "", nil, nil
+		}
+	}
+	planned, _ := configRollout()
+	for name, op := range map[string]*ichorv1.TalosOperation{"talos": talos, "config": planned} {
+		t.Run(name, func(t *testing.T) {
+			var b bytes.Buffer
+			if err := Plan(&b, op); err != nil {
+				t.Fatal(err)
+			}
+			golden(t, "plan/"+name, b.String())
+		})
+	}
+}
