@@ -209,11 +209,9 @@ func (o *TalosOperation) QueuePlace() QueuePlace {
 }
 
 // WantsLock reports whether the operation holds or waits for the cluster
-// lock: it is not being deleted, not paused by an operator, not Finished,
-// and nobody asked to cancel it.
+// lock: it is not being deleted, not paused by an operator, and not Finished.
 func (o *TalosOperation) WantsLock() bool {
-	cancelled, _ := o.CancelRequested()
-	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.Finished() && !cancelled
+	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.Finished()
 }
 
 // LockWaiter is a Job waiting in the queue for the cluster lock, as
