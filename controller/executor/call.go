@@ -23,10 +23,6 @@ type call struct {
 	reason string
 	// stages are the MachineStatus stages the call puts the machine in.
 	stages []runtime.MachineStage
-	// rebootsOnly: the call's whole effect is a reboot, so any boot since
-	// status recorded the boot ID is it. Otherwise a new boot counts only
-	// after an earlier run may have made the call (a reset with reboot).
-	rebootsOnly bool
 	// made, when set, reads from the machine whether the call was made, in
 	// place of its stage and boot ID (boot is the one just read): a
 	// configuration apply leaves the configuration it sent, persisted and
@@ -54,7 +50,10 @@ var disruptive = []runtime.MachineStage{
 // make makes the call at most once per step and attempt, deciding from
 // what the machine shows, never from silence:
 //   - in one of the call's stages, or booted again since status recorded
-//     its boot ID (see rebootsOnly), or, for a call that says it (made),
+//     its boot ID after an earlier run of this attempt may have made the
+//     call (a boot before that is someone else's: another operation's
+//     reboot between a failed attempt and its retry), or, for a call that
+//     says it (made),
 //     showing what the call leaves: the call was made, by this run or an
 //     earlier one; it is not made again;
 //   - answering in another disruptive stage: another sequence runs; wait
@@ -84,7 +83,7 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 			return out, nil
 		case err == nil && c.made == nil && slices.Contains(c.stages, stage):
 			return Outcome{Message: fmt.Sprintf("%s under way (stage %s)", c.what, stage)}, nil
-		case err == nil && c.made == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && (c.rebootsOnly || maybeMade):
+		case err == nil && c.made == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && maybeMade:
 			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil
 		case err == nil && slices.Contains(disruptive, stage):
 			last = fmt.Errorf("the machine is %s: another sequence runs on it", stage)

@@ -116,10 +116,15 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 					clear()
 				}()
 			}, wantMsg: "reset sent"},
-		{name: "a machine booted since its boot ID was recorded has rebooted", call: nodeReboot, calls: 0,
+		{name: "a machine booted since an earlier run of the attempt has rebooted", call: nodeReboot, calls: 0,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
-				e.Machine.BootID = "the boot before"
+				e.Machine.BootID, e.Machine.Calls = "the boot before", 2
 			}, wantMsg: "reboot done: the machine has booted again since"},
+		{name: "a new boot is someone else's reboot on a first run", call: nodeReboot, calls: 1,
+			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
+				// Another operation rebooted it between a failed attempt and its retry.
+				e.Machine.BootID, e.Machine.Calls = "the boot before", 1
+			}, wantMsg: "reboot sent"},
 		{name: "a new boot is no reset on a first run", call: reset, calls: 1,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				e.Machine.BootID = "the boot before"

@@ -178,7 +178,7 @@ func callStep(name string, timeout time.Duration, c call) Step {
 }
 
 var (
-	nodeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
+	nodeReboot = call{what: "reboot", reason: "RebootFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
 		send: func(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{}, talos.Reboot(ctx, e.Talos, e.Address, false)

@@ -181,7 +181,7 @@ var (
 	// legacyUpgrade is MachineService.Upgrade (hosts below 1.13), which
 	// installs and reboots by itself: the stage is upgrading until the
 	// kexec, rebooting after it.
-	legacyUpgrade = call{what: "upgrade", reason: "InstallFailed", rebootsOnly: true,
+	legacyUpgrade = call{what: "upgrade", reason: "InstallFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageUpgrading, runtime.MachineStageRebooting},
 		send: func(ctx context.Context, e *Env) (Outcome, error) {
 			image, err := installerImage(ctx, e)
@@ -190,7 +190,7 @@ var (
 			}
 			return Outcome{}, talos.UpgradeLegacy(ctx, e.Talos, e.Address, image, powercycle(e))
 		}}
-	upgradeReboot = call{what: "reboot", reason: "RebootFailed", rebootsOnly: true,
+	upgradeReboot = call{what: "reboot", reason: "RebootFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageRebooting},
 		send: func(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{}, talos.Reboot(ctx, e.Talos, e.Address, powercycle(e))

@@ -135,6 +135,27 @@ func TestEtcdCheckedRightBeforeTheCall(t *testing.T) {
 	}
 }
 
+// TestRetryRebootsAfterAnotherReboot: a reboot that failed after it
+// recorded the boot ID (etcd unhealthy) and is retried after another
+// operation rebooted the machine still sends its Reboot: the new boot is
+// not its own, since no run of its reboot step could have made it.
+func TestRetryRebootsAfterAnotherReboot(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 3, 0))
+	cp := c.fleet.ControlPlanes()[1]
+	c.start()
+	healthy := c.fleet.ControlPlanes()[2].Inject(sim.Fault{Kind: sim.FaultEtcdUnhealthy})
+	c.create("first", rebootSpec(cp.Name()))
+	c.waitFailed("first", "EtcdUnhealthy")
+	healthy()
+	c.create("second", rebootSpec(cp.Name()))
+	c.waitSucceeded("second", time.Minute)
+	c.kubectl("annotate", "talosoperation", "first", ichorv1.RetryAnnotation+"=true")
+	c.waitSucceeded("first", time.Minute)
+	if n := c.fleet.Recorder().Calls(cp.Name(), "MachineService/Reboot"); n != 2 {
+		t.Errorf("%s was rebooted %d times by two reboots, want 2", cp.Name(), n)
+	}
+}
+
 // TestUnreachableIsNeverDone: a machine whose Talos API stops answering
 // right before the reboot, shutdown or reset is not taken as done: the step
 // keeps looking, and once the machine answers it makes the call, once.
