@@ -260,7 +260,10 @@ func (m *Machine) startSequence(name string, force bool, run func(ctx context.Co
 			<-old.done
 		}
 		m.f.logf("%s: %s started", m.Name(), name)
-		run(ctx)
+		// Talos answers the call, then its sequencer enters the stage.
+		if sleep(ctx, m.f.spec.Durations.SequenceStart) == nil {
+			run(ctx)
+		}
 		m.mu.Lock()
 		if m.seq == s {
 			m.seq = nil

@@ -121,6 +121,10 @@ type Durations struct {
 	// Stop is how long a machine takes to stop its services before it goes
 	// down (reboot, upgrade, shutdown, reset), after any drain.
 	Stop time.Duration
+	// SequenceStart is how long after answering a Reboot, Reset, Shutdown
+	// or Upgrade call the machine enters the sequence's stage: Talos runs
+	// the sequence in the background once the call has returned. Default 0.
+	SequenceStart time.Duration
 	// Reboot is how long a machine is down before it answers again.
 	Reboot time.Duration
 	// Install is how long the installer runs (legacy Upgrade and

@@ -38,6 +38,13 @@ type call struct {
 // poll is how often a call looks at the machine again while it waits.
 var poll = time.Second
 
+// showTime is how long a rerun gives a call an earlier run may have made
+// to show on the machine before it makes the call itself: Talos answers
+// the call first and enters the sequence's stage a moment later. (Talos
+// would drop a second reset or reboot while the first runs, but the call
+// is still made once only.)
+var showTime = 3 * time.Second
+
 // probeTimeout bounds one look at the machine.
 const probeTimeout = 5 * time.Second
 
@@ -59,7 +66,8 @@ var disruptive = []runtime.MachineStage{
 //   - answering in another disruptive stage: another sequence runs; wait
 //     for it to end;
 //   - answering otherwise: make the call, on a control plane right after
-//     the etcd health check;
+//     the etcd health check (on a rerun after an earlier run may have made
+//     it, only once showTime has passed without the machine showing it);
 //   - not answering: if an earlier run may have made the call (status
 //     counts the runs, MachineStatus.Calls) or this one's call got no
 //     answer, the machine is going down from it; otherwise it was not
@@ -70,6 +78,7 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{}, err
 	}
 	maybeMade := e.Machine.Calls > 1
+	began := time.Now()
 	var last error
 	for {
 		boot, stage, err := c.observe(ctx, e)
@@ -87,6 +96,8 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil
 		case err == nil && slices.Contains(disruptive, stage):
 			last = fmt.Errorf("the machine is %s: another sequence runs on it", stage)
+		case err == nil && c.made == nil && maybeMade && time.Since(began) < showTime:
+			last = fmt.Errorf("an earlier run may have made the %s: waiting for the machine to show it", c.what)
 		case err == nil:
 			out, err := c.sendChecked(ctx, e)
 			if err == nil {

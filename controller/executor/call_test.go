@@ -75,6 +75,9 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 		name string
 		// stop is how long the machine takes to stop once a sequence began.
 		stop time.Duration
+		// start is how long it takes to enter the sequence's stage after
+		// answering the call.
+		start time.Duration
 		// before prepares the machine and the step's env; the step runs
 		// within timeout.
 		before  func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env)
@@ -86,7 +89,7 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 		wantMsg    string
 	}{
 		{name: "a machine that answers gets the call", call: reset, calls: 1, wantMsg: "reset sent"},
-		{name: "a machine already resetting does not get it again", stop: time.Minute, call: reset, calls: 1,
+		{name: "a machine already resetting does not get it again", stop: time.Minute, start: 300 * time.Millisecond, call: reset, calls: 1,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				// An earlier run made the call; its result was never recorded.
 				if _, err := reset.make(context.Background(), e); err != nil {
@@ -142,6 +145,7 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			spec := sim.Cluster("call", 1, 1)
 			spec.Durations.Stop = tt.stop
+			spec.Durations.SequenceStart = tt.start
 			f, c := fleet(t, spec)
 			m := f.Machines()[1]
 			e := env(f, c, m, resetSpec(m, false))
