@@ -110,7 +110,9 @@ func eventUIDs(c *cluster, name string) map[types.UID]bool {
 // ichor-operator may not set it.
 func TestOverride(t *testing.T) {
 	ctx := context.Background()
-	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+	// --force-conflicts: TestIchorUpgradeThroughInstaller applies the same
+	// manifests as the installer Job (its own field manager) on this API server.
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
 		t.Fatal(err)
 	}
 	c := newCluster(t, sim.Cluster("", 1, 1))

@@ -21,7 +21,9 @@ const controllerSA = "system:serviceaccount:ichor-system:ichor-controller"
 // node action: least privilege is enough. And it reads no other Secret.
 func TestControllerRBAC(t *testing.T) {
 	ctx := context.Background()
-	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+	// --force-conflicts: TestIchorUpgradeThroughInstaller applies the same
+	// manifests as the installer Job (its own field manager) on this API server.
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
 		t.Fatal(err)
 	}
 	c := newClusterIn(t, sim.Cluster("", 1, 2), ichorv1.DefaultNamespace)

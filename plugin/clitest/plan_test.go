@@ -50,9 +50,11 @@ func TestPlan(t *testing.T) {
 	if code := p.wait(t); code != 0 {
 		t.Fatalf("no: exit %d\n%s", code, p.stdout())
 	}
-	if err := env.Client.Get(context.Background(), client.ObjectKey{Namespace: ns, Name: "answered-no"}, &ichorv1.TalosOperation{}); !apierrors.IsNotFound(err) {
-		t.Errorf("a no left the operation: %v", err)
-	}
+	// The controller removes its finalizer once the deletion is seen.
+	testenv.Eventually(t, time.Minute, "a no to delete the operation", func(ctx context.Context) (bool, error) {
+		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ns, Name: "answered-no"}, &ichorv1.TalosOperation{})
+		return apierrors.IsNotFound(err), client.IgnoreNotFound(err)
+	})
 	if !strings.Contains(p.stdout(), "talosoperation.ichor.maesh.dev/answered-no deleted; nothing ran") || upgraded() {
 		t.Errorf("a no did not say it deleted it, or something ran:\n%s", p.stdout())
 	}
