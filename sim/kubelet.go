@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/kubectl/pkg/util/podutils"
 )
 
 // Pod annotations that change what a machine's kubelet does with a pod whose
@@ -164,20 +165,11 @@ func (r *podRun) resync(pod *corev1.Pod) {
 	for _, c := range r.main {
 		ready = ready && c.ready
 	}
-	inSync := pod.Status.Phase == r.phase && podReady(pod) == ready
+	inSync := pod.Status.Phase == r.phase && podutils.IsPodReady(pod) == ready
 	r.mu.Unlock()
 	if !inSync {
 		r.do(func() {})
 	}
-}
-
-func podReady(pod *corev1.Pod) bool {
-	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 // podGone forgets a pod that left the API server.

@@ -13,6 +13,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -475,7 +476,7 @@ func agentReadyStep() Step {
 			if p.Spec.NodeName != e.Machine.Name || !p.DeletionTimestamp.IsZero() {
 				continue
 			}
-			if podImage(&p, cilium.AgentContainer) == agents.Image && podReady(&p) {
+			if podImage(&p, cilium.AgentContainer) == agents.Image && podutils.IsPodReady(&p) {
 				return true, Outcome{Message: "cilium " + agents.Version.String() + " ready"}, nil
 			}
 		}
@@ -490,15 +491,6 @@ func podImage(p *corev1.Pod, container string) string {
 		}
 	}
 	return ""
-}
-
-func podReady(p *corev1.Pod) bool {
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 // kubeProxyObjects are the objects of Talos's kube-proxy manifest

@@ -11,6 +11,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -183,7 +184,7 @@ func rolledOutTo(ctx context.Context, e *Env, image string) (bool, string, error
 		if img := podImage(&p, manifests.Container); img != image {
 			return false, fmt.Sprintf("waiting for pod %s (%s) to go", p.Name, img), nil
 		}
-		if podReady(&p) {
+		if podutils.IsPodReady(&p) {
 			ready++
 		}
 	}
