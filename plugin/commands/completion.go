@@ -84,7 +84,7 @@ func (e *Env) completeOperations(keep func(*ichorv1.TalosOperation) bool) cobra.
 		if err := c.List(cmd.Context(), list, client.InNamespace(ns)); err != nil {
 			return nil, cobra.ShellCompDirectiveError
 		}
-		sortByCreation(list.Items)
+		sortByArrival(list.Items)
 		var names []string
 		for i := range list.Items {
 			op := &list.Items[i]

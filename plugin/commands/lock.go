@@ -94,7 +94,7 @@ func lockWaiters(ctx context.Context, c client.Reader) ([]Waiter, string, error)
 	} else if err != nil {
 		return nil, "", err
 	}
-	sortByCreation(list.Items)
+	sortByArrival(list.Items)
 	var out []Waiter
 	for _, op := range list.Items {
 		if op.WaitingForLock() {

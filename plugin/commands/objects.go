@@ -71,7 +71,9 @@ func getOperation(ctx context.Context, c client.Reader, ns, name string) (*ichor
 	return op, nil
 }
 
-// latestOperation is the newest operation in the namespace.
+// latestOperation is the newest operation in the namespace: the one that
+// arrived last in the order the controller records (sortByArrival), so
+// that of operations created within one second it is the last one created.
 func latestOperation(ctx context.Context, c client.Reader, ns string) (*ichorv1.TalosOperation, error) {
 	list := &ichorv1.TalosOperationList{}
 	if err := c.List(ctx, list, client.InNamespace(ns)); err != nil {
@@ -80,21 +82,14 @@ func latestOperation(ctx context.Context, c client.Reader, ns string) (*ichorv1.
 	if len(list.Items) == 0 {
 		return nil, fmt.Errorf("no TalosOperations in namespace %q", ns)
 	}
-	sortByCreation(list.Items)
+	sortByArrival(list.Items)
 	return &list.Items[len(list.Items)-1], nil
 }
 
-// sortByCreation sorts oldest first, by name among equals, the order in
-// which waiters get the cluster lock.
-func sortByCreation(ops []ichorv1.TalosOperation) {
-	sort.SliceStable(ops, func(i, j int) bool {
-		a, b := ops[i].CreationTimestamp, ops[j].CreationTimestamp
-		if !a.Equal(&b) {
-			return a.Before(&b)
-		}
-		if ops[i].Namespace != ops[j].Namespace {
-			return ops[i].Namespace < ops[j].Namespace
-		}
-		return ops[i].Name < ops[j].Name
-	})
+// sortByArrival sorts oldest first, in the order in which waiters get the
+// cluster lock: by creation time, and within one second by the arrival
+// revision the controller records (ichorv1.QueuePlace), which
+// creationTimestamp's one-second resolution cannot tell apart.
+func sortByArrival(ops []ichorv1.TalosOperation) {
+	sort.SliceStable(ops, func(i, j int) bool { return ops[i].QueuePlace().Before(ops[j].QueuePlace()) })
 }

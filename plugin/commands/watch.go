@@ -159,7 +159,7 @@ func (o *watchOptions) watchAll(ctx context.Context, c client.WithWatch) error {
 		for _, op := range ops {
 			sorted = append(sorted, *op)
 		}
-		sortByCreation(sorted)
+		sortByArrival(sorted)
 		frame := view.RenderList(o.namespace, sorted, view.Options{
 			Width: width, Height: height - 1, Color: o.e.UseColor(out), ASCII: o.ff.ascii, Now: o.e.Now(), Command: o.e.Name,
 		})
