@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,6 +14,11 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -66,5 +73,76 @@ func TestCancel(t *testing.T) {
 	}
 	if e := entryOf(c.get("upgrade"), w2); e == nil || e.Phase != ichorv1.MachinePending {
 		t.Errorf("%s: %+v, want Pending", w2, e)
+	}
+}
+
+// TestEndedAfterKillBetweenCallAndStatus: the controller is killed right
+// after a machine's install call was accepted, before status records it,
+// and the operation is deleted (or cancelled) while no controller runs. The
+// next controller finds an irreversible step in flight whose run no one
+// has counted: it must still settle it (the machine's reboot finishes, the
+// call is not made again) and then end the operation (the finalizer goes,
+// or the phase says Cancelled), lift the cordon and let go of the lock,
+// without waiting for an event that already happened.
+func TestEndedAfterKillBetweenCallAndStatus(t *testing.T) {
+	for _, how := range []string{"deleted", "cancelled"} {
+		t.Run(how, func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 1))
+			cp := c.fleet.Machines()[0]
+			gone := make(chan struct{})
+			var ctl atomic.Pointer[testcluster.Controller]
+			var once sync.Once
+			hook := func(s operation.StepRun) {
+				if s.Step == executor.StepInstall && s.Err == nil {
+					once.Do(func() { ctl.Load().Kill(); close(gone) })
+				}
+			}
+			ctl.Store(testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}))
+			c.create("upgrade", talosSpec("v1.13.7"))
+			select {
+			case <-gone:
+			case <-time.After(2 * time.Minute):
+				t.Fatal("the install never ran")
+			}
+			ctl.Load().Stop()
+			op := &ichorv1.TalosOperation{}
+			op.Namespace, op.Name = c.ns, "upgrade"
+			if how == "deleted" {
+				if err := env.Client.Delete(context.Background(), op); err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"alice"}}}`, ichorv1.CancelAnnotation)
+				if err := env.Client.Patch(context.Background(), op, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			testenv.Eventually(t, time.Minute, cp.Name()+" up on v1.13.7 while no controller runs", func(context.Context) (bool, error) {
+				return !cp.Down() && cp.Version() == "v1.13.7", nil
+			})
+			c.start()
+			testenv.Eventually(t, time.Minute, "the operation ended and the lock let go", func(ctx context.Context) (bool, error) {
+				got := &ichorv1.TalosOperation{}
+				err := env.Client.Get(ctx, client.ObjectKeyFromObject(op), got)
+				if how == "deleted" {
+					if !notFound(err) {
+						return false, client.IgnoreNotFound(err)
+					}
+				} else if err != nil || !got.Cancelled() || !got.Settled() || got.Status.Lock != "" {
+					return false, err
+				}
+				return c.lockHolder().Holder.Identity == "", nil
+			})
+			node := &corev1.Node{}
+			if err := env.Client.Get(context.Background(), keyOfNode(cp.Name()), node); err != nil {
+				t.Fatal(err)
+			}
+			if node.Spec.Unschedulable {
+				t.Errorf("%s is still cordoned", cp.Name())
+			}
+			if n := c.fleet.Recorder().UpgradesApplied(cp.Name()); n != 1 {
+				t.Errorf("%s was upgraded %d times, want 1", cp.Name(), n)
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package operation
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -384,14 +385,10 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 	if !controllerutil.ContainsFinalizer(op, ichorv1.Finalizer) {
 		return ctrl.Result{}, nil
 	}
-	var result ctrl.Result
 	if !op.Settled() {
-		if _, err := t.prepare(ctx); err != nil {
+		result, err := t.settleEnding(ctx)
+		if err != nil {
 			return ctrl.Result{}, err
-		}
-		if t.exec != nil && t.talos != nil {
-			t.collect()
-			result = t.settle(ctx)
 		}
 		deriveStatus(t.op, t.now, "")
 		if err := t.write(ctx); err != nil {
@@ -429,12 +426,9 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
 	var result ctrl.Result
 	if !t.op.Settled() {
-		if _, err := t.prepare(ctx); err != nil {
+		var err error
+		if result, err = t.settleEnding(ctx); err != nil {
 			return ctrl.Result{}, err
-		}
-		if t.exec != nil && t.talos != nil {
-			t.collect()
-			result = t.settle(ctx)
 		}
 	}
 	if t.op.Settled() {
@@ -451,8 +445,30 @@ func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
 	if err := t.write(ctx); err != nil {
 		return ctrl.Result{}, err
 	}
-	t.launch(ctx)
-	return result, t.removeRetry(ctx)
+	again, err := t.launch(ctx)
+	if again {
+		result = lookAgainSoon(result)
+	}
+	return result, errors.Join(err, t.removeRetry(ctx))
+}
+
+// settleEnding lets the steps in flight of a deleted or cancelled operation
+// settle as settle does, and counts the runs of irreversible steps it may
+// launch as every turn does before its status write. A step that a killed
+// controller left in flight, whose run no live controller has counted, so
+// runs again now (knowing an earlier run may have made its call) instead of
+// waiting for an event that may already have happened.
+func (t *turn) settleEnding(ctx context.Context) (ctrl.Result, error) {
+	if _, err := t.prepare(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
+	if t.exec == nil || t.talos == nil {
+		return ctrl.Result{}, nil // no usable talosconfig: its Secret's change brings this back
+	}
+	t.collect()
+	result := t.settle(ctx)
+	t.countCalls()
+	return result, nil
 }
 
 // uncordon lifts the cordons the operation made (its identity marks them),
