@@ -62,8 +62,8 @@ func (r *run) settleOps() bool {
 			continue
 		}
 		busy = true
-		if n := op.Spec.Node; n != nil && (n.Action == ichorv1.NodeShutdown || n.Action == ichorv1.NodeReset) && op.Status.FailureReason == "" {
-			offWanted[n.Machine] = true // one that failed (its machine was off already, say) is retried with the machine on
+		if shutsDown(op) {
+			offWanted[op.Spec.Node.Machine] = true
 		}
 		if !op.DeletionTimestamp.IsZero() {
 			continue
@@ -84,6 +84,24 @@ func (r *run) settleOps() bool {
 		}
 	}
 	return busy
+}
+
+// shutsDown says whether op is a shutdown or reset under way on its
+// machine, which leaves the machine off. One that failed (its machine was
+// off already, say) is retried with the machine on; one that has not
+// started (it waits for the lock) may wait for that very machine to be back
+// in service, as another operation's budget counts it.
+func shutsDown(op *ichorv1.TalosOperation) bool {
+	n := op.Spec.Node
+	if n == nil || (n.Action != ichorv1.NodeShutdown && n.Action != ichorv1.NodeReset) || op.Status.FailureReason != "" {
+		return false
+	}
+	for _, m := range op.Status.Machines {
+		if m.Name == n.Machine {
+			return m.Phase == ichorv1.MachineInProgress
+		}
+	}
+	return false
 }
 
 func (r *run) settleAction(what, name string, err error) {
