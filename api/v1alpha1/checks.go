@@ -2,6 +2,7 @@ package v1alpha1
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -22,7 +23,7 @@ func KindNotCarriedOut(kind OperationKind, carried []OperationKind) string {
 	for i, k := range carried {
 		names[i] = string(k)
 	}
-	return fmt.Sprintf("this ichor-controller does not carry out kind %s yet (it carries out %s); nothing ran",
+	return fmt.Sprintf("this ichor-controller does not carry out kind %s yet (it carries out %s)",
 		kind, strings.Join(names, ", "))
 }
 
@@ -57,4 +58,55 @@ func FormatKinds(kinds []OperationKind) string {
 		names[i] = string(k)
 	}
 	return strings.Join(names, ",")
+}
+
+// A refusal's words, shared by the controller (the phase message, the
+// standard conditions and the PreflightRefused Event carry RefusedSummary)
+// and the plugin (which prints each failed check's condition once, then the
+// override hint): the full text of a check lives only in its condition.
+
+// notOverridable are the checks spec.override cannot get past: there is
+// nothing to run (no kind, no machine, no version to install) or nothing
+// else the controller could install (a chart it does not ship).
+var notOverridable = []string{CheckKindSupported, CheckMachinesInScope,
+	"TalosVersionValid", "KubernetesVersionValid", "IchorVersionValid", "CiliumChartShipped"}
+
+// NotOverridable lists the checks spec.override cannot get past.
+func NotOverridable() []string { return slices.Clone(notOverridable) }
+
+// OverrideHelps reports whether spec.override would run an operation these
+// failed checks refuse.
+func OverrideHelps(checks []string) bool {
+	for _, c := range checks {
+		if slices.Contains(notOverridable, c) {
+			return false
+		}
+	}
+	return len(checks) > 0
+}
+
+// OverrideHint is the last words of a refusal spec.override can get past.
+const OverrideHint = "to run it anyway, an ichor-admin sets spec.override: true"
+
+// RefusedSummary is the phase message of a refused operation: which checks
+// failed, that nothing ran and, last and only where it helps, the override.
+// What would pass is in each check's condition, not repeated here.
+func RefusedSummary(checks []string) string {
+	failed := "check " + andJoin(checks) + " failed (its condition says what would pass)"
+	if len(checks) > 1 {
+		failed = "checks " + andJoin(checks) + " failed (each one's condition says what would pass)"
+	}
+	msg := "preflight refused it, nothing ran: " + failed
+	if OverrideHelps(checks) {
+		msg += "; " + OverrideHint
+	}
+	return msg
+}
+
+// andJoin joins names as "a, b and c".
+func andJoin(items []string) string {
+	if len(items) <= 1 {
+		return strings.Join(items, "")
+	}
+	return strings.Join(items[:len(items)-1], ", ") + " and " + items[len(items)-1]
 }

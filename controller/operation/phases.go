@@ -82,7 +82,7 @@ func (t *turn) preflight(ctx context.Context, when string) (bool, error) {
 		setChecks(op, nil, false)
 		return true, nil
 	}
-	if op.Spec.Override && overridable(failures) {
+	if op.Spec.Override && preflight.Overridable(failures) {
 		if !overrideRecorded(op, failures) {
 			t.event(corev1.EventTypeWarning, preflight.EventOverridden, "%s", preflight.OverriddenMessage(failures))
 		}
@@ -364,7 +364,10 @@ func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
 	if t.newRetryRequest() {
 		why := "the operation has succeeded"
 		if t.op.Refused() {
-			why = "the operation was refused and nothing ran; a retry does not check it again: set spec.override to run it anyway, or create a new operation"
+			why = "the operation was refused and nothing ran; a retry does not check it again: fix what its failed checks say and create a new operation"
+			if preflight.Overridable(refusals(t.op)) {
+				why += ", or " + ichorv1.OverrideHint
+			}
 		}
 		t.ignoreRetry(why)
 	} else {

@@ -58,8 +58,15 @@ func TestPreflightRefuses(t *testing.T) {
 			if cond == nil || cond.Status != metav1.ConditionFalse || !strings.Contains(cond.Message, want) {
 				t.Errorf("condition %s = %+v, want a message with %q; all: %+v", tt.check, cond, want, op.Status.Conditions)
 			}
-			if !strings.Contains(op.Status.Message, "set spec.override") {
-				t.Errorf("the message does not say how to run it anyway: %q", op.Status.Message)
+			// The check's text is in its condition only: the phase message,
+			// the standard conditions and the Event name it.
+			if !strings.HasSuffix(op.Status.Message, ichorv1.OverrideHint) || !strings.Contains(op.Status.Message, tt.check) {
+				t.Errorf("the message does not name %s and end with how to run it anyway: %q", tt.check, op.Status.Message)
+			}
+			for _, c := range op.Status.Conditions {
+				if cond != nil && c.Type != tt.check && strings.Contains(c.Message, cond.Message) {
+					t.Errorf("condition %s repeats %s's message: %q", c.Type, tt.check, c.Message)
+				}
 			}
 			if n := c.fleet.Recorder().Calls("", "*"); n != 0 {
 				t.Errorf("a refused operation made %d Talos API calls: %v", n, c.fleet.Recorder().CallCounts())
@@ -67,7 +74,9 @@ func TestPreflightRefuses(t *testing.T) {
 			if h := c.lockHolder(); !h.Free() {
 				t.Errorf("a refused operation holds the lock: %s", h.Holder)
 			}
-			waitEvent(t, c, "upgrade", corev1.EventTypeWarning, "PreflightRefused")
+			if e := waitEvent(t, c, "upgrade", corev1.EventTypeWarning, "PreflightRefused"); e.Message != op.Status.Message {
+				t.Errorf("the Event says %q, not the phase message %q", e.Message, op.Status.Message)
+			}
 		})
 	}
 }

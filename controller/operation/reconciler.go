@@ -11,7 +11,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"time"
 
@@ -214,25 +213,6 @@ func (t *turn) clearRetryConsumed(ctx context.Context) error {
 	t.r.superseded.Store(t.op.UID, before)
 	t.persisted = t.op.DeepCopy()
 	return nil
-}
-
-// overridable: a kind this controller cannot carry out, or no machine in
-// scope, cannot be overridden.
-func overridable(fs []preflight.Failure) bool {
-	for _, f := range fs {
-		if f.Check == CheckKindSupported || f.Check == preflight.MachinesInScope {
-			return false
-		}
-	}
-	return true
-}
-
-func describe(fs []preflight.Failure) string {
-	parts := make([]string, len(fs))
-	for i, f := range fs {
-		parts[i] = f.Check + ": " + f.Message
-	}
-	return strings.Join(parts, "; ")
 }
 
 // over reports whether the operation has ended: it succeeded, or it was

@@ -72,7 +72,7 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 	case cancelRequested(op):
 		return ichorv1.PhaseCancelled, "Cancelled", cancelledMessage(op)
 	case len(refusals(op)) > 0:
-		return ichorv1.PhaseRefused, preflight.ConditionReason, refusedMessage(refusals(op))
+		return ichorv1.PhaseRefused, preflight.ConditionReason, preflight.RefusedMessage(refusals(op))
 	case st.StartTime != nil && allDone(st.Machines):
 		// "talos v1.13.7 done on 5/6 machine(s), 1 held: w-3 (held by ...)"
 		done, left, _ := strings.Cut(plan.Progress(st.Machines), ", ")
@@ -301,15 +301,6 @@ func refusals(op *ichorv1.TalosOperation) []preflight.Failure {
 		}
 	}
 	return out
-}
-
-// refusedMessage says why the operation was refused, and whether
-// spec.override can run it anyway.
-func refusedMessage(fs []preflight.Failure) string {
-	if !overridable(fs) {
-		return "refused; nothing ran: " + describe(fs)
-	}
-	return preflight.RefusedMessage(fs)
 }
 
 // overrideRecorded reports whether the conditions already record these

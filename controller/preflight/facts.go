@@ -54,6 +54,8 @@ func (gs *groups) add(v compat.Version, who string) {
 
 // facts are the versions of the cluster the checks read.
 type facts struct {
+	// machines is how many machines the checks look at.
+	machines        int
 	talos, kubelets groups
 	// controlPlane is nil when it could not be read.
 	controlPlane *compat.Version
@@ -67,7 +69,7 @@ type facts struct {
 // version checks, which then cannot vouch for it: the VersionsReadable
 // failure is what refuses the operation.
 func gather(r *report, machines []Machine, c Cluster) facts {
-	var f facts
+	f := facts{machines: len(machines)}
 	var unreadable []string
 	for _, m := range machines {
 		if v, err := compat.ParseVersion(m.Talos); err == nil {
@@ -102,8 +104,14 @@ func gather(r *report, machines []Machine, c Cluster) facts {
 	return f
 }
 
-// on names machines for a message: "on cp-1, w-1 and 3 more".
-func on(names []string) string { return "on " + andList(names, 3) }
+// on names machines for a message: "on cp-1, w-1 and 3 more", or "on all
+// 6 machines" when they are all the machines the check looked at.
+func on(names []string, all int) string {
+	if all > 1 && len(names) == all {
+		return fmt.Sprintf("on all %d machines", all)
+	}
+	return "on " + andList(names, 3)
+}
 
 // andList joins items as "a, b and c", naming at most max of them and
 // counting the rest ("a, b and 7 more"), so a message over 5,000 machines

@@ -47,11 +47,11 @@ func checkKubernetes(r *report, up *v1alpha1.KubernetesUpgrade, c Cluster, t *co
 				target, n, cp, next))
 		}
 	}
-	checkKubeletSkew(r, target, f.kubelets)
+	checkKubeletSkew(r, target, f.kubelets, f.machines)
 	if len(talosFor) == 0 {
 		return
 	}
-	checkTalosRunsKubernetes(r, target, talosFor, f.talos)
+	checkTalosRunsKubernetes(r, target, talosFor, f.talos, f.machines)
 	if f.ciliumOK {
 		var errs []string
 		seen := map[compat.Minor]bool{}
@@ -78,12 +78,12 @@ func kubernetesUnknown(target compat.Version, t *compat.Table) string {
 
 // checkTalosRunsKubernetes: every machine's Talos must run the target, in
 // machinery's judgement (what talosctl upgrade-k8s checks).
-func checkTalosRunsKubernetes(r *report, target compat.Version, talosFor []compat.Minor, running groups) {
+func checkTalosRunsKubernetes(r *report, target compat.Version, talosFor []compat.Minor, running groups, all int) {
 	kv := machineryKubernetes(target)
 	var refusals []string
 	for _, g := range running {
 		if err := kv.SupportedWith(machineryTalos(g.v)); err != nil {
-			refusals = append(refusals, fmt.Sprintf("Talos %s (%s): %v", g.v, on(g.who), err))
+			refusals = append(refusals, fmt.Sprintf("Talos %s (%s): %v", g.v, on(g.who, all), err))
 		}
 	}
 	if len(refusals) == 0 {
@@ -100,16 +100,16 @@ func checkTalosRunsKubernetes(r *report, target compat.Version, talosFor []compa
 // checkKubeletSkew: while the control plane moves to the target the kubelets
 // keep their version, so none may be more than three minors behind the
 // target, nor newer than it.
-func checkKubeletSkew(r *report, target compat.Version, kubelets groups) {
+func checkKubeletSkew(r *report, target compat.Version, kubelets groups, all int) {
 	var behind, ahead []string
 	for _, g := range kubelets {
 		switch {
 		case g.v.Core().Compare(target.Core()) > 0:
-			ahead = append(ahead, fmt.Sprintf("%s %s", g.v, on(g.who)))
+			ahead = append(ahead, fmt.Sprintf("%s %s", g.v, on(g.who, all)))
 		case g.v.Major < target.Major:
-			behind = append(behind, fmt.Sprintf("%s %s", g.v, on(g.who)))
+			behind = append(behind, fmt.Sprintf("%s %s", g.v, on(g.who, all)))
 		case g.v.Major == target.Major && target.Minor-g.v.Minor > maxKubeletSkew: // g.v <= target here
-			behind = append(behind, fmt.Sprintf("%s %s", g.v, on(g.who)))
+			behind = append(behind, fmt.Sprintf("%s %s", g.v, on(g.who, all)))
 		}
 	}
 	if len(behind) > 0 {

@@ -152,14 +152,27 @@ func Names(failures []Failure) string {
 	return strings.Join(names, ", ")
 }
 
-// RefusedMessage is the message of the PreflightRefused Event and of the
-// operation's status: every failure, in order.
+// RefusedMessage is the phase message of a refused operation, which its
+// standard conditions and the PreflightRefused Event carry too: the names of
+// the failed checks and, last, the override where it helps. Each check's
+// own message (what would pass) is in its condition only.
 func RefusedMessage(failures []Failure) string {
-	msgs := make([]string, len(failures))
+	names := make([]string, len(failures))
 	for i, f := range failures {
-		msgs[i] = f.Check + ": " + f.Message
+		names[i] = f.Check
 	}
-	return "preflight refused the operation; set spec.override to run it anyway. " + strings.Join(msgs, "; ")
+	return v1alpha1.RefusedSummary(names)
+}
+
+// Overridable reports whether spec.override runs an operation these checks
+// refuse: not when there is nothing to run (no kind this controller carries
+// out, no machine, no version) or nothing else to install.
+func Overridable(failures []Failure) bool {
+	names := make([]string, len(failures))
+	for i, f := range failures {
+		names[i] = f.Check
+	}
+	return v1alpha1.OverrideHelps(names)
 }
 
 // OverriddenMessage is the message of the PreflightOverridden Warning Event.

@@ -3,6 +3,7 @@ package preflight
 import (
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -82,7 +83,9 @@ func dump(fs []Failure) string {
 	return b.String()
 }
 
-const fiveMachines = "cp-1, cp-2, cp-3 and 2 more"
+// fiveMachines is how a message names every machine of the fleet: not a
+// list of most of them.
+const fiveMachines = "all 5 machines"
 
 func TestTalosChecks(t *testing.T) {
 	on112 := fleet("v1.12.4", "v1.35.2", "v1.19.3")
@@ -103,6 +106,14 @@ func TestTalosChecks(t *testing.T) {
 		}},
 		{name: "same version", spec: talosOp("v1.12.7"), cluster: fleet("v1.12.7", "v1.35.2", "v1.19.3"), want: []Failure{
 			{TalosVersionNewer, "Talos v1.12.7 is not newer than v1.12.7, the lowest version running (on " + fiveMachines + "); pick a version newer than v1.12.7, such as v1.13.7"},
+		}},
+		{name: "one machine is named, not all 1", spec: talosOp("v1.12.2"), cluster: Cluster{ControlPlane: "v1.35.2",
+			Machines: []Machine{{Name: "cp-1", Role: v1alpha1.RoleControlPlane, Talos: "v1.12.4", Kubelet: "v1.35.2"}}}, want: []Failure{
+			{TalosVersionNewer, "Talos v1.12.2 is not newer than v1.12.4, the lowest version running (on cp-1); pick a version newer than v1.12.4, such as v1.12.7"},
+		}},
+		{name: "all but an unreadable machine are not all", spec: talosOp("v1.12.2"), cluster: with(on112, "w-2", "", "v1.35.2"), want: []Failure{
+			{VersionsReadable, `Ichor cannot read Talos "" on w-2, so it cannot check them; fix what the Nodes report (status.nodeInfo.osImage and kubeletVersion) or leave those machines out with spec.machines`},
+			{TalosVersionNewer, "Talos v1.12.2 is not newer than v1.12.4, the lowest version running (on cp-1, cp-2, cp-3 and 1 more); pick a version newer than v1.12.4, such as v1.12.7"},
 		}},
 		{name: "newer than the lowest, mixed fleet", spec: talosOp("v1.12.4"),
 			cluster: with(on112, "w-2", "v1.12.1", "v1.35.2"), want: nil},
@@ -313,7 +324,7 @@ func TestMessagesStayShortOnLargeFleets(t *testing.T) {
 		if len(f.Message) > 2000 {
 			t.Errorf("%s message is %d bytes: %.200s...", f.Check, len(f.Message), f.Message)
 		}
-		if !strings.Contains(f.Message, "more") && f.Check != CompatibilityTable {
+		if !strings.Contains(f.Message, "more") && !strings.Contains(f.Message, "all 5000 machines") && f.Check != CompatibilityTable {
 			t.Errorf("%s message does not count the rest: %s", f.Check, f.Message)
 		}
 	}
@@ -327,13 +338,58 @@ func TestEventHelpers(t *testing.T) {
 	if got, want := OverriddenMessage(fs), "spec.override is true: running although preflight refused it; bypassed checks: TalosMinorSkip, CompatibilityTable"; got != want {
 		t.Errorf("OverriddenMessage = %q", got)
 	}
-	if got, want := RefusedMessage(fs), "preflight refused the operation; set spec.override to run it anyway. TalosMinorSkip: two minors; CompatibilityTable: not listed"; got != want {
-		t.Errorf("RefusedMessage = %q", got)
-	}
 	now := metav1.NewTime(time.Unix(1700000000, 0))
 	conds := Conditions(fs, 3, now)
 	want := metav1.Condition{Type: CompatibilityTable, Status: metav1.ConditionFalse, Reason: ConditionReason, Message: "not listed", ObservedGeneration: 3, LastTransitionTime: now}
 	if len(conds) != 2 || conds[1] != want {
 		t.Errorf("Conditions = %+v", conds)
+	}
+}
+
+// TestRefusedMessage: the phase message names each failed check once and
+// ends with the override only where it can run the operation.
+func TestRefusedMessage(t *testing.T) {
+	tests := []struct {
+		name     string
+		failures []Failure
+		want     string
+	}{
+		{"one check", []Failure{{TalosMinorSkip, "two minors"}},
+			"preflight refused it, nothing ran: check TalosMinorSkip failed (its condition says what would pass); to run it anyway, an ichor-admin sets spec.override: true"},
+		{"three checks", []Failure{{TalosVersionNewer, "pick v1.12.7"}, {TalosMinorSkip, "go through v1.12.7"}, {CompatibilityTable, "not listed"}},
+			"preflight refused it, nothing ran: checks TalosVersionNewer, TalosMinorSkip and CompatibilityTable failed (each one's condition says what would pass); to run it anyway, an ichor-admin sets spec.override: true"},
+		{"an unsupported kind", []Failure{{v1alpha1.CheckKindSupported, "kind etcd-restore"}},
+			"preflight refused it, nothing ran: check KindSupported failed (its condition says what would pass)"},
+		{"a malformed version beside an overridable check", []Failure{{TalosVersionValid, "not a version"}, {CompatibilityTable, "not listed"}},
+			"preflight refused it, nothing ran: checks TalosVersionValid and CompatibilityTable failed (each one's condition says what would pass)"},
+		{"no machine", []Failure{{MachinesInScope, "none"}},
+			"preflight refused it, nothing ran: check MachinesInScope failed (its condition says what would pass)"},
+		{"a chart not shipped", []Failure{{CiliumChartShipped, "1.20.2"}},
+			"preflight refused it, nothing ran: check CiliumChartShipped failed (its condition says what would pass)"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := RefusedMessage(tt.failures); got != tt.want {
+				t.Errorf("RefusedMessage =\n%q\nwant\n%q", got, tt.want)
+			}
+			if got, want := Overridable(tt.failures), strings.Contains(tt.want, "spec.override"); got != want {
+				t.Errorf("Overridable = %v, want %v", got, want)
+			}
+			for _, f := range tt.failures {
+				if strings.Contains(RefusedMessage(tt.failures), f.Message) {
+					t.Errorf("the phase message repeats %s's message %q, which only its condition carries", f.Check, f.Message)
+				}
+			}
+		})
+	}
+}
+
+// TestNotOverridableAreChecks: every check the API says override cannot get
+// past is one this package or the controller reports.
+func TestNotOverridableAreChecks(t *testing.T) {
+	for _, c := range v1alpha1.NotOverridable() {
+		if c != v1alpha1.CheckKindSupported && !slices.Contains(Checks, c) {
+			t.Errorf("%s is not a check", c)
+		}
 	}
 }

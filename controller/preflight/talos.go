@@ -40,8 +40,8 @@ func checkTalos(r *report, up *v1alpha1.TalosUpgrade, c Cluster, t *compat.Table
 		r.add(TalosVersionKnown, talosUnknown(target, t))
 	}
 	if lowest, ok := lowestOf(f.talos); ok {
-		checkTalosNewer(r, target, f.talos, t)
-		checkTalosSkip(r, target, lowest, t)
+		checkTalosNewer(r, target, f.talos, f.machines, t)
+		checkTalosSkip(r, target, lowest, f.machines, t)
 	}
 	// Without the target in the table, machinery and the table can only
 	// repeat TalosVersionKnown.
@@ -49,7 +49,7 @@ func checkTalos(r *report, up *v1alpha1.TalosUpgrade, c Cluster, t *compat.Table
 		return
 	}
 	tv := machineryTalos(target)
-	checkUpgradeableFrom(r, target, tv, f.talos)
+	checkUpgradeableFrom(r, target, tv, f.talos, f.machines)
 	checkKubernetesWithTalos(r, target, tv, f, t)
 	if f.controlPlane != nil && f.ciliumOK {
 		if err := t.Supports(target.String(), f.controlPlane.String(), f.cilium); err != nil {
@@ -79,14 +79,14 @@ func lowestOf(gs groups) (group, bool) {
 // checkTalosNewer: the target must be newer than the lowest version running
 // (or nothing is upgraded) and not older than any (Ichor never downgrades a
 // machine; one already on the target is left alone).
-func checkTalosNewer(r *report, target compat.Version, running groups, t *compat.Table) {
+func checkTalosNewer(r *report, target compat.Version, running groups, all int, t *compat.Table) {
 	lowest, highest := running[0], running[len(running)-1]
 	if target.Compare(lowest.v) > 0 && target.Compare(highest.v) >= 0 {
 		return
 	}
 	if lowest.v == highest.v {
 		msg := fmt.Sprintf("Talos %s is not newer than %s, the lowest version running (%s); pick a version newer than %s",
-			target, lowest.v, on(lowest.who), lowest.v)
+			target, lowest.v, on(lowest.who, all), lowest.v)
 		if next, ok := nextTalos(lowest.v, t); ok {
 			msg += ", such as " + next.String()
 		}
@@ -97,7 +97,7 @@ func checkTalosNewer(r *report, target compat.Version, running groups, t *compat
 	count := 0
 	for _, g := range running {
 		if g.v.Compare(target) > 0 {
-			newer = append(newer, fmt.Sprintf("%s %s", g.v, on(g.who)))
+			newer = append(newer, fmt.Sprintf("%s %s", g.v, on(g.who, all)))
 			count += len(g.who)
 		}
 	}
@@ -117,13 +117,13 @@ func nextTalos(v compat.Version, t *compat.Table) (compat.Version, bool) {
 	return t.Latest(compat.Minor{Major: v.Major, Minor: v.Minor + 1})
 }
 
-func checkTalosSkip(r *report, target compat.Version, lowest group, t *compat.Table) {
+func checkTalosSkip(r *report, target compat.Version, lowest group, all int, t *compat.Table) {
 	n, ok := target.MajorMinor().Ahead(lowest.v.MajorMinor())
 	if !ok || n < 2 {
 		return
 	}
 	msg := fmt.Sprintf("Talos %s is %d minors ahead of %s, the lowest version running (%s), and Talos is upgraded one minor at a time; ",
-		target, n, lowest.v, on(lowest.who))
+		target, n, lowest.v, on(lowest.who, all))
 	if path := t.TalosPath(lowest.v, target); path != nil {
 		msg += "go through the latest patch of each minor: " + strings.Join(path, ", then ")
 	} else {
@@ -150,11 +150,11 @@ func machineryKubernetes(v compat.Version) *compatibility.KubernetesVersion {
 	return kv
 }
 
-func checkUpgradeableFrom(r *report, target compat.Version, tv *compatibility.TalosVersion, running groups) {
+func checkUpgradeableFrom(r *report, target compat.Version, tv *compatibility.TalosVersion, running groups, all int) {
 	var refusals []string
 	for _, g := range running {
 		if err := tv.UpgradeableFrom(machineryTalos(g.v)); err != nil {
-			refusals = append(refusals, fmt.Sprintf("over %s (%s): %v", g.v, on(g.who), err))
+			refusals = append(refusals, fmt.Sprintf("over %s (%s): %v", g.v, on(g.who, all), err))
 		}
 	}
 	if len(refusals) == 0 {
@@ -206,7 +206,7 @@ func checkKubernetesWithTalos(r *report, target compat.Version, tv *compatibilit
 		if err == nil {
 			continue
 		}
-		refusals = append(refusals, fmt.Sprintf("Kubernetes %s (%s): %v", g.v, kubeWho(g.who), err))
+		refusals = append(refusals, fmt.Sprintf("Kubernetes %s (%s): %v", g.v, kubeWho(g.who, f.machines), err))
 		remedy := "pick a Talos that runs Kubernetes " + g.v.MajorMinor().String()
 		if g.v.MajorMinor().Compare(span.Min.MajorMinor()) < 0 {
 			remedy = "upgrade Kubernetes to " + span.Min.String() + " or newer first"
@@ -224,7 +224,7 @@ func checkKubernetesWithTalos(r *report, target compat.Version, tv *compatibilit
 
 // kubeWho names who runs a Kubernetes version: "the control plane, kubelets
 // on w-1 and w-2".
-func kubeWho(who []string) string {
+func kubeWho(who []string, all int) string {
 	var parts, kubelets []string
 	for _, w := range who {
 		if name, ok := strings.CutPrefix(w, "kubelet "); ok {
@@ -236,9 +236,9 @@ func kubeWho(who []string) string {
 	switch len(kubelets) {
 	case 0:
 	case 1:
-		parts = append(parts, "the kubelet "+on(kubelets))
+		parts = append(parts, "the kubelet "+on(kubelets, all))
 	default:
-		parts = append(parts, "kubelets "+on(kubelets))
+		parts = append(parts, "kubelets "+on(kubelets, all))
 	}
 	return strings.Join(parts, ", ")
 }

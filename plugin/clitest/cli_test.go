@@ -190,13 +190,13 @@ func TestCreateRefusesWhatTheControllerWould(t *testing.T) {
 		err  string
 	}{
 		{[]string{"node", "reboot", "no-such-node"},
-			"error: ichor-controller would refuse this operation, so nothing was created: MachinesInScope: machine no-such-node is not a Node of this cluster: check the name with `kubectl get nodes`\n"},
+			"error: ichor-controller would refuse this operation, so nothing was created:\n  MachinesInScope: machine no-such-node is not a Node of this cluster: check the name with `kubectl get nodes`\n"},
 		{[]string{"node", "reboot", "no-such-node", "-l", "zone=a"},
-			"error: ichor-controller would refuse this operation, so nothing was created: MachinesInScope: machine no-such-node is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector\n"},
+			"error: ichor-controller would refuse this operation, so nothing was created:\n  MachinesInScope: machine no-such-node is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector\n"},
 		{[]string{"rotate", "ca", "--yes"},
-			"error: ichor-controller would refuse this operation, so nothing was created: KindSupported: this ichor-controller does not carry out kind ca-rotation yet (it carries out talos, node); nothing ran\n"},
+			"error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: this ichor-controller does not carry out kind ca-rotation yet (it carries out talos, node)\n"},
 		{[]string{"upgrade", "kubernetes", "--to", "v1.36.2", "--dry-run=server"},
-			"error: ichor-controller would refuse this operation, so nothing was created: KindSupported: this ichor-controller does not carry out kind kubernetes yet (it carries out talos, node); nothing ran\n"},
+			"error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: this ichor-controller does not carry out kind kubernetes yet (it carries out talos, node)\n"},
 	}
 	for _, tt := range tests {
 		r := kubectl(t, "", append([]string{"ichor", "-n", ns, "--controller-namespace", ctrl}, tt.args...)...)
@@ -588,7 +588,7 @@ func TestWatchFollowsToTheEnd(t *testing.T) {
 		setStatus(t, op, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseRefused, Message: "preflight refused",
 			Conditions: []metav1.Condition{{Type: "TalosUpgradePath", Status: metav1.ConditionFalse, Reason: "MinorSkipped", Message: "upgrade to v1.12.7 first", LastTransitionTime: metav1.Now()}}})
 		r := kubectl(t, "", "ichor", "watch", "refused", "-n", ns)
-		if r.code != 2 || !strings.Contains(r.err, "was refused by preflight: preflight refused; failed checks: TalosUpgradePath: upgrade to v1.12.7 first") {
+		if r.code != 2 || !strings.Contains(r.err, "was refused by preflight, nothing ran:\n  TalosUpgradePath: upgrade to v1.12.7 first\nfix what the failed checks say, then create a new operation; "+ichorv1.OverrideHint+"\n") {
 			t.Errorf("exit %d, stderr %q", r.code, r.err)
 		}
 	})

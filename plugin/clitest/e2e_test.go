@@ -97,11 +97,12 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 		return err == nil && lease.Annotations[ichorv1.KindsAnnotation] != "", client.IgnoreNotFound(err)
 	})
 
+	// Each failed check once, with what would pass, then the override.
 	r := kubectl(t, "", "ichor", "upgrade", "talos", "--to", "v1.10.9", "--name", "backwards", "-n", ns, "--controller-namespace", ctrlNS)
-	if r.code != 2 || r.out != "talosoperation.ichor.maesh.dev/backwards created\n" || !strings.Contains(r.err, "talosoperation.ichor.maesh.dev/backwards was refused by preflight") ||
-		!strings.Contains(r.err, "TalosVersionNewer") {
+	if r.code != 2 || r.out != "talosoperation.ichor.maesh.dev/backwards created\n" {
 		t.Errorf("a refused create: exit %d\nstdout %q\nstderr %q", r.code, r.out, r.err)
 	}
+	golden(t, "testdata/create-refused.golden", r.err)
 	r = kubectl(t, "", "ichor", "upgrade", "talos", "--to", "v1.13.7", "--name", "forwards", "-n", ns, "--controller-namespace", ctrlNS, "-o", "name")
 	if r.code != 0 || r.out != "talosoperation.ichor.maesh.dev/forwards\n" || !strings.HasPrefix(r.err, "ichor-controller checked it: it ") ||
 		!strings.HasSuffix(r.err, "; follow it with: kubectl ichor watch forwards\n") {
@@ -124,7 +125,13 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 	})
 	// ...are the plugin's, before it creates anything.
 	r = kubectl(t, "", "ichor", "shutdown", "--yes", "-n", ns, "--controller-namespace", ctrlNS)
-	if want := "error: ichor-controller would refuse this operation, so nothing was created: KindSupported: " + said + "\n"; r.code != 1 || r.err != want {
+	if want := "error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: " + said + "\n"; r.code != 1 || r.err != want {
 		t.Errorf("shutdown: exit %d, stderr\n%q\nwant\n%q", r.code, r.err, want)
 	}
+	// Following it says so, without an override that cannot run it.
+	r = kubectl(t, "", "ichor", "watch", "direct", "-n", ns, "--controller-namespace", ctrlNS, "-o", "json")
+	if r.code != 2 {
+		t.Errorf("watch of a refused shutdown: exit %d, stderr %q", r.code, r.err)
+	}
+	golden(t, "testdata/watch-refused-kind.golden", r.err)
 }

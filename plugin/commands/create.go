@@ -207,7 +207,7 @@ func (o *createOptions) precheck(ctx context.Context, c client.Reader, ctrl cont
 	if len(failed) == 0 {
 		return nil
 	}
-	return fmt.Errorf("ichor-controller would refuse this operation, so nothing was created: %s", strings.Join(failed, "; "))
+	return fmt.Errorf("ichor-controller would refuse this operation, so nothing was created:\n  %s", strings.Join(failed, "\n  "))
 }
 
 // applyable is the operation as a client dry run prints it, so that

@@ -103,17 +103,11 @@ func outcome(op *ichorv1.TalosOperation, retryBaseline int32, command string) (b
 
 func failure(op *ichorv1.TalosOperation, command string) error {
 	if op.Refused() {
-		var checks []string
-		for _, c := range op.Status.Conditions {
-			if c.Status == metav1.ConditionFalse && !view.StandardCondition(c.Type) {
-				checks = append(checks, view.Clean(c.Type+": "+c.Message))
-			}
+		checks := view.RefusedChecks(op)
+		if len(checks) == 0 {
+			return exitError(ExitFailed, "%s was refused by preflight: %s", ref(op.Name), view.Clean(op.Status.Message))
 		}
-		msg := view.Clean(op.Status.Message)
-		if len(checks) > 0 {
-			msg = strings.TrimPrefix(msg+"; failed checks: "+strings.Join(checks, "; "), "; ")
-		}
-		return exitError(ExitFailed, "%s was refused by preflight: %s", ref(op.Name), msg)
+		return exitError(ExitFailed, "%s was refused by preflight, nothing ran:\n  %s\n%s", ref(op.Name), strings.Join(checks, "\n  "), view.RefusedNext(op))
 	}
 	msg := view.Clean(op.Status.FailureReason)
 	if m := op.Status.FailedMachine(); m != nil {

@@ -184,15 +184,13 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	case op.Cancelled():
 		// who cancelled it and which machines were done are read in full.
 		long(faint, "Message: ", Clean(op.Status.Message))
+	case op.Refused() && len(RefusedChecks(op)) > 0:
+		// The checks say it, each once, below.
 	case op.Status.Message != "" && (!op.StepFailed() || len(failed) == 0):
 		note(faint, "Message: ", Clean(op.Status.Message))
 	}
-	if op.Refused() {
-		for _, c := range op.Status.Conditions {
-			if c.Status == metav1.ConditionFalse && !StandardCondition(c.Type) {
-				long(red, "  "+iconBad.String(o.ASCII)+" ", Clean(c.Type+": "+c.Message))
-			}
-		}
+	for _, c := range RefusedChecks(op) {
+		long(red, "  "+iconBad.String(o.ASCII)+" ", c)
 	}
 	switch {
 	case op.Cancelled() && op.Settled():
@@ -209,8 +207,8 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		note(yellow, "Next:    ", fmt.Sprintf("fix the cause, then: %s retry %s", o.Command, name))
 	case op.PausedByOperator() && !op.Succeeded() && !op.Refused():
 		note(yellow, "Next:    ", fmt.Sprintf("paused by an operator; continue with: %s operation resume %s", o.Command, name))
-	case op.Refused() && !op.Spec.Override:
-		note(yellow, "Next:    ", "fix what preflight refused and create a new operation (an ichor-admin can set spec.override)")
+	case op.Refused():
+		long(yellow, "Next:    ", RefusedNext(op))
 	}
 	return lines
 }
@@ -266,6 +264,39 @@ func ordinal(n int) string {
 		suffix = "rd"
 	}
 	return fmt.Sprintf("%d%s", n, suffix)
+}
+
+// RefusedChecks are a refused operation's failed checks, one line each,
+// "TalosMinorSkip: what would pass", as the controller wrote them: the only
+// place the controller keeps each check's full text.
+func RefusedChecks(op *ichorv1.TalosOperation) []string {
+	if !op.Refused() {
+		return nil
+	}
+	var out []string
+	for _, c := range op.Status.Conditions {
+		if c.Status == metav1.ConditionFalse && !StandardCondition(c.Type) {
+			out = append(out, Clean(c.Type+": "+c.Message))
+		}
+	}
+	return out
+}
+
+// RefusedNext says what to do about a refused operation: fix what the
+// checks say and create a new one; last, and only where spec.override can
+// run it and is not set yet, the override.
+func RefusedNext(op *ichorv1.TalosOperation) string {
+	var checks []string
+	for _, c := range op.Status.Conditions {
+		if c.Status == metav1.ConditionFalse && !StandardCondition(c.Type) {
+			checks = append(checks, c.Type)
+		}
+	}
+	next := "fix what the failed checks say, then create a new operation"
+	if !op.Spec.Override && ichorv1.OverrideHelps(checks) {
+		next += "; " + ichorv1.OverrideHint
+	}
+	return next
 }
 
 // StandardCondition reports whether a condition type is one of the

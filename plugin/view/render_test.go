@@ -91,17 +91,32 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 	}
 	s["lock-wait"] = lock
 
+	// As the controller writes a refusal: the phase message and the
+	// standard conditions name the checks; each check's condition says
+	// what would pass.
 	refused := baseOp()
 	refused.Status = ichorv1.TalosOperationStatus{
-		Phase: ichorv1.PhaseRefused, ObservedGeneration: 1, Message: "preflight refused the upgrade",
+		Phase: ichorv1.PhaseRefused, Reason: "PreflightFailed", ObservedGeneration: 1,
+		Message:   ichorv1.RefusedSummary([]string{"TalosMinorSkip", "CompatibilityTable"}),
 		StartTime: ago(time.Minute), CompletionTime: ago(50 * time.Second),
 		Conditions: []metav1.Condition{
-			{Type: ichorv1.ConditionReady, Status: metav1.ConditionFalse, Reason: "Refused", Message: "refused"},
-			{Type: "TalosUpgradePath", Status: metav1.ConditionFalse, Reason: "MinorSkipped", Message: "v1.11.6 to v1.13.7 skips 1.12: upgrade to v1.12.7 first"},
-			{Type: "Compatibility", Status: metav1.ConditionTrue, Reason: "Supported", Message: "ok"},
+			{Type: ichorv1.ConditionReady, Status: metav1.ConditionFalse, Reason: "Refused", Message: ichorv1.RefusedSummary([]string{"TalosMinorSkip", "CompatibilityTable"})},
+			{Type: "TalosMinorSkip", Status: metav1.ConditionFalse, Reason: "PreflightFailed", Message: "Talos v1.13.7 is 2 minors ahead of v1.11.6, the lowest version running (on all 7 machines), and Talos is upgraded one minor at a time; go through the latest patch of each minor: v1.12.7, then v1.13.7"},
+			{Type: "CompatibilityTable", Status: metav1.ConditionFalse, Reason: "PreflightFailed", Message: "Kubernetes v1.33.4 with Talos v1.13.7 is not in Ichor's compatibility table, which lists Kubernetes 1.31 - 1.36 with Talos 1.13 (see kubectl ichor compat)"},
 		},
 	}
 	s["refused"] = refused
+	// A kind this controller does not carry out: override cannot help.
+	kind := baseOp()
+	kind.Status = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRefused, Reason: "PreflightFailed", ObservedGeneration: 1,
+		Message:   ichorv1.RefusedSummary([]string{ichorv1.CheckKindSupported}),
+		StartTime: ago(time.Minute), CompletionTime: ago(50 * time.Second),
+		Conditions: []metav1.Condition{
+			{Type: ichorv1.CheckKindSupported, Status: metav1.ConditionFalse, Reason: "PreflightFailed", Message: ichorv1.KindNotCarriedOut(ichorv1.KindEtcdRestore, []ichorv1.OperationKind{ichorv1.KindTalos, ichorv1.KindNode})},
+		},
+	}
+	s["refused-kind"] = kind
 
 	done := running.DeepCopy()
 	done.Status.Phase = ichorv1.PhaseSucceeded
