@@ -117,9 +117,6 @@ func inspectStep() Step {
 // from the machine's cache.
 func pullStep() Step {
 	return Step{Name: StepPull, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if err := e.requireAddress(); err != nil {
-			return Outcome{}, err
-		}
 		image, err := installerImage(ctx, e)
 		if err != nil {
 			return Outcome{}, err
@@ -141,9 +138,6 @@ func pullStep() Step {
 // the legacy call, which reboots by itself.
 func installStep() Step {
 	return Step{Name: StepInstall, Timeout: 20 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		if err := e.requireAddress(); err != nil {
-			return Outcome{}, err
-		}
 		image, err := installerImage(ctx, e)
 		if err != nil {
 			return Outcome{}, err
@@ -165,8 +159,12 @@ func installStep() Step {
 }
 
 // installerImage is the installer for the machine: its platform, secure
-// boot and schematic (or the operation's).
+// boot and schematic (or the operation's). A machine without an address
+// has none.
 func installerImage(ctx context.Context, e *Env) (string, error) {
+	if err := e.requireAddress(); err != nil {
+		return "", err
+	}
 	f, err := talos.ReadFacts(ctx, e.Talos, e.Address)
 	if err != nil {
 		return "", err
