@@ -12,6 +12,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -117,6 +118,38 @@ func TestWorkersLeftCordonedFailTheStep(t *testing.T) {
 		if n := c.fleet.Recorder().UpgradesApplied(w(i)); n != 1 {
 			t.Errorf("%s: %d upgrades applied, want 1", w(i), n)
 		}
+	}
+}
+
+// TestCordonLeftByEndedOperation: a reset that succeeded leaves its
+// machine cordoned on purpose (it was taken out; its Node is not lifted
+// when it comes back). That cordon is all it left: once the machine is
+// Ready again it is in service like one an operator cordoned, so an
+// upgrade with maxUnavailable 1 runs on every worker instead of failing
+// with WorkersUnavailable, and the reset's cordon stays.
+func TestCordonLeftByEndedOperation(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	w1 := c.fleet.Machines()[1].Name()
+	c.start()
+	c.create("a-reset", ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode,
+		Node: &ichorv1.NodeAction{Machine: w1, Action: ichorv1.NodeReset, Reset: &ichorv1.ResetOptions{Reboot: true}}})
+	c.waitSucceeded("a-reset", time.Minute)
+	testenv.Eventually(t, time.Minute, w1+" back and Ready after its reset", func(context.Context) (bool, error) {
+		return machine.Ready(c.node(w1)), nil
+	})
+	holder := ichorv1.OperationIdentity(c.ns, "a-reset")
+	if n := c.node(w1); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != holder {
+		t.Fatalf("%s: unschedulable %v, cordoned by %q: want the reset's cordon left", w1, n.Spec.Unschedulable, n.Annotations[executor.CordonedByAnnotation])
+	}
+	c.create("b-upgrade", talosSpec("v1.13.7"))
+	c.waitSucceeded("b-upgrade", 2*time.Minute)
+	for _, m := range c.fleet.Machines() {
+		if n := c.fleet.Recorder().UpgradesApplied(m.Name()); n != 1 {
+			t.Errorf("%s: %d upgrades applied, want 1", m.Name(), n)
+		}
+	}
+	if n := c.node(w1); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != holder {
+		t.Errorf("%s: unschedulable %v, cordoned by %q: the reset's cordon was not the upgrade's to lift", w1, n.Spec.Unschedulable, n.Annotations[executor.CordonedByAnnotation])
 	}
 }
 

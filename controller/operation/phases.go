@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	ctrl "sigs.k8s.io/controller-runtime/pkg/reconcile"
@@ -272,7 +273,7 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 		st.Machines[i].Stopped = false // resumed, or retried
 	}
 	t.skipHeld()
-	start, wait := plan.Next(st.Machines, t.outOfService(), int(op.Spec.MaxUnavailable))
+	start, wait := plan.Next(st.Machines, t.outOfService(ctx), int(op.Spec.MaxUnavailable))
 	for _, i := range start {
 		t.startMachine(&st.Machines[i])
 	}
@@ -290,8 +291,9 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 // Ichor holder cordoned and left so when its step failed, which stay out
 // of service until that holder is retried or deleted: it cannot run while
 // this operation holds the cluster lock. A Ready worker that an operator
-// cordoned is in service.
-func (t *turn) outOfService() map[string]plan.Out {
+// cordoned, or that an operation which has ended left cordoned (a reset
+// or a shutdown does so on purpose), is in service.
+func (t *turn) outOfService(ctx context.Context) map[string]plan.Out {
 	own := ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
 	out := map[string]plan.Out{}
 	for i := range t.nodes {
@@ -301,13 +303,31 @@ func (t *turn) outOfService() map[string]plan.Out {
 		}
 		by := n.Annotations[executor.CordonedByAnnotation]
 		switch {
-		case n.Spec.Unschedulable && by != "" && by != own:
+		case n.Spec.Unschedulable && by != "" && by != own && t.stopped(ctx, by):
 			out[n.Name] = plan.Out{Why: "cordoned by " + by + ", which has stopped", Stuck: true}
 		case !machine.Ready(n):
 			out[n.Name] = plan.Out{Why: "NotReady"}
 		}
 	}
 	return out
+}
+
+// stopped says whether the Ichor holder that a cordon names is an
+// operation that is still there and has not ended: one stopped on a failed
+// step (or paused), which may yet work on the machine it cordoned. One that
+// succeeded, was cancelled or is gone has left nothing but its cordon. A
+// cache read: the holder's end only makes more workers count as in
+// service, and the lock this turn holds keeps that holder from starting.
+func (t *turn) stopped(ctx context.Context, identity string) bool {
+	id, err := ichorv1.ParseLockHolder(identity)
+	if err != nil || id.Kind != ichorv1.HolderOperation {
+		return true // not an operation's: kept out of service, as before
+	}
+	other := &ichorv1.TalosOperation{}
+	if err := t.r.Client.Get(ctx, client.ObjectKey{Namespace: id.Namespace, Name: id.Name}, other); err != nil {
+		return !apierrors.IsNotFound(err)
+	}
+	return !other.Succeeded() && !(other.Cancelled() && other.Settled())
 }
 
 // failStuck fails the next worker when workers that only a person brings
