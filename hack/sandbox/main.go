@@ -139,12 +139,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout, "\nThe demo ran as described: every step was checked.")
 		return 0
 	}
-	printUsage(stdout, sb)
+	if err := printUsage(stdout, sb); err != nil {
+		fmt.Fprintln(stderr, "error:", err)
+		return 1
+	}
 	<-ctx.Done()
 	return 0
 }
 
-func printUsage(w io.Writer, sb *Sandbox) {
+// printUsage says what runs where, then the walk-through.
+func printUsage(w io.Writer, sb *Sandbox) error {
 	machines := sb.Fleet.Machines()
 	first, last := machines[0].Name(), machines[len(machines)-1].Name()
 	fmt.Fprintf(w, `
@@ -156,30 +160,16 @@ The Ichor sandbox is up (ready). Everything listens on loopback and stays up unt
   Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
                  DaemonSet node-agent, pod debug: %s
   Controller     ichor-controller, running here as its ServiceAccount; log in %s
-
-In another terminal (make build puts kubectl-ichor in bin/):
-
-  source %s            # sets KUBECONFIG, TALOSCONFIG and puts bin/ on PATH
-  kubectl get nodes -o wide
-  kubectl get pods -o wide
-  kubectl ichor upgrade talos --to v1.13.7 --watch
-  kubectl ichor node reboot %s
-  kubectl ichor lock
-  kubectl ichor operation list
-
-Make a machine misbehave with the annotation %s on its Node
-(this one makes the next Talos upgrade of %s fail), then fix it and retry:
-
-  kubectl annotate node %s %s=error:Upgrade:Internal
-  kubectl annotate node %s %s-
-  kubectl ichor retry NAME
-
+`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)), relative(sb.Path(fileController)))
+	if err := printWalkThrough(w, sb); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, `
 Faults: error:METHOD[:CODE][:once], hang:METHOD, rollback[:once], no-return,
 etcd-unhealthy, alarm[:NOSPACE|CORRUPT], comma-separated (sim/README.md).
 The machines log what happens to them in %s.
 
 Ctrl-C stops everything and removes %s.
-`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)), relative(sb.Path(fileController)),
-		relative(sb.Path(fileEnv)), last, sim.FaultAnnotation, last, last, sim.FaultAnnotation, last, sim.FaultAnnotation,
-		relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
+`, relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
+	return nil
 }

@@ -12,12 +12,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"maesh.dev/ichor/api/compat"
 	"maesh.dev/ichor/internal/version"
+	"maesh.dev/ichor/sim"
 )
 
 // childEnv makes the test binary run the sandbox's main instead of the
@@ -300,5 +303,106 @@ func TestFlags(t *testing.T) {
 				t.Errorf("a refused start created %s", dir)
 			}
 		})
+	}
+}
+
+// TestWalkThrough follows the walk-through the sandbox prints, against that
+// sandbox, one printed line after the other in a shell as a person would
+// paste them (the plugin this test built goes first on PATH, where make
+// build would have put it): each must end as it says, 0 or, where it says
+// "exits 2", 2; then every operation it named has succeeded.
+func TestWalkThrough(t *testing.T) {
+	assets(t)
+	plugins := buildPlugin(t)
+	dir := filepath.Join(t.TempDir(), "sandbox")
+	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "--dir", dir, "--control-planes", "1", "--workers", "2", "--pace", "200ms")
+	cmd.Env = append(os.Environ(), childEnv+"=1")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errOut bytes.Buffer
+	cmd.Stderr = &errOut
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Signal(syscall.SIGINT)
+		_ = cmd.Wait()
+	}()
+	printed := waitReady(t, stdout, &errOut)
+
+	cmds := walkCommands(printed)
+	var lines []string
+	for _, c := range cmds {
+		lines = append(lines, c.Line)
+	}
+	all := strings.Join(lines, "\n")
+	for _, want := range []string{"source ", "--name " + walkFirstUpgrade, "--name " + walkReboot,
+		sim.FaultAnnotation + "=", "--name " + walkSecondUpgrade + " --watch   # exits 2", "retry " + walkSecondUpgrade} {
+		if !strings.Contains(all, want) {
+			t.Fatalf("the walk-through has no command with %q:\n%s", want, printed)
+		}
+	}
+	// The shell gets the sandbox's settings from the env file only.
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "KUBECONFIG=") && !strings.HasPrefix(kv, "TALOSCONFIG=") && !strings.HasPrefix(kv, childEnv+"=") {
+			env = append(env, kv)
+		}
+	}
+	var sourced []string
+	for _, c := range cmds {
+		if strings.HasPrefix(c.Line, "source ") {
+			sourced = append(sourced, c.Line)
+			continue
+		}
+		script := strings.Join(append(sourced, "export PATH="+plugins+":$PATH", c.Line), "\n")
+		sh := exec.CommandContext(ctx, "bash", "-c", script)
+		sh.Env = append(env, "NO_COLOR=1")
+		out, err := sh.CombinedOutput()
+		code := 0
+		if exit, ok := err.(*exec.ExitError); ok {
+			code = exit.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("$ %s\n%s", c.Line, out)
+		if code != c.Exit {
+			t.Fatalf("$ %s\nexited %d, the walk-through says %d:\n%s", c.Line, code, c.Exit, out)
+		}
+	}
+	kubeconfig := filepath.Join(dir, fileKubeconfig)
+	for _, name := range []string{walkFirstUpgrade, walkReboot, walkSecondUpgrade} {
+		phase, err := exec.Command(defaultKubectl(), "--kubeconfig", kubeconfig, "get", "talosoperation", name, "-o", "jsonpath={.status.phase}").CombinedOutput()
+		if err != nil || string(phase) != "Succeeded" {
+			t.Errorf("operation %s after the walk-through: %v %q; want Succeeded", name, err, phase)
+		}
+	}
+}
+
+// TestWalkTargets: the walk-through's versions come from the compatibility
+// table, the nearest first.
+func TestWalkTargets(t *testing.T) {
+	table, err := compat.Default()
+	if err != nil {
+		t.Fatal(err)
+	}
+	newest := table.Newest()
+	before, _ := table.Latest(compat.Minor{Major: newest.Minor.Major, Minor: newest.Minor.Minor - 1})
+	for _, tc := range []struct {
+		running string
+		want    []string
+	}{
+		{"v1.12.4", []string{"v1.12.7", "v1.13.7"}},
+		{before.String(), []string{newest.Latest.String()}},
+		{newest.Latest.String(), nil},
+		{"not a version", nil},
+	} {
+		if got := walkTargets(tc.running, table); !slices.Equal(got, tc.want) {
+			t.Errorf("walkTargets(%s) = %v, want %v", tc.running, got, tc.want)
+		}
 	}
 }
