@@ -17,11 +17,14 @@ import (
 	"helm.sh/helm/v4/pkg/kube"
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/cli-runtime/pkg/genericclioptions"
 	"k8s.io/client-go/rest"
@@ -320,12 +323,26 @@ func TestCNIKilledAfterLend(t *testing.T) {
 // afterLend calls do after each write of the cluster lock Lease that lends
 // it (it sets the lent-by annotation), once the API server accepted it and
 // before the controller sees the answer: a kill there lands between the
-// lend and what follows. The body is matched as bytes, JSON or protobuf.
+// lend and what follows.
 func afterLend(do func()) controllerOption {
+	return afterWrite(http.MethodPut, "/leases/"+ichorv1.LockLeaseName, lent, do)
+}
+
+// lent reports whether obj is a cluster lock Lease that is lent.
+func lent(obj runtime.Object) bool {
+	lease, ok := obj.(*coordinationv1.Lease)
+	return ok && lease.Annotations[lock.LentByAnnotation] != ""
+}
+
+// afterWrite calls do after each request of method to a path ending in
+// path whose object (JSON or protobuf) matches, once the API server
+// accepted it and before the controller sees the answer.
+func afterWrite(method, path string, match func(runtime.Object) bool, do func()) controllerOption {
+	decoder := serializer.NewCodecFactory(app.Scheme).UniversalDeserializer()
 	return func(_ *app.Options, cfg **rest.Config) {
 		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
 			return roundTripper(func(req *http.Request) (*http.Response, error) {
-				if req.Method != http.MethodPut || !strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) {
+				if req.Method != method || !strings.HasSuffix(req.URL.Path, path) {
 					return rt.RoundTrip(req)
 				}
 				body, err := io.ReadAll(req.Body)
@@ -334,7 +351,10 @@ func afterLend(do func()) controllerOption {
 				}
 				req.Body = io.NopCloser(bytes.NewReader(body))
 				resp, err := rt.RoundTrip(req)
-				if err == nil && resp.StatusCode == http.StatusOK && bytes.Contains(body, []byte(lock.LentByAnnotation)) {
+				if err != nil || resp.StatusCode >= http.StatusMultipleChoices {
+					return resp, err
+				}
+				if obj, _, derr := decoder.Decode(body, nil, nil); derr == nil && match(obj) {
 					do()
 				}
 				return resp, err

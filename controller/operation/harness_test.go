@@ -128,6 +128,13 @@ func (s *stepCounter) add(key string) {
 	s.counts[key]++
 }
 
+// count is how many times key ran.
+func (s *stepCounter) count(key string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.counts[key]
+}
+
 func (s *stepCounter) total() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -173,9 +180,19 @@ func (c counting) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 				return run(ctx, e)
 			}
 		}
+		if s.Wait != nil {
+			wait := s.Wait
+			steps[i].Wait = func(ctx context.Context, e *executor.Env) (bool, executor.Outcome, error) {
+				c.steps.add(waitKey(e.Machine.Name, s.Name))
+				return wait(ctx, e)
+			}
+		}
 	}
 	return steps
 }
+
+// waitKey counts the checks of a Wait step on a machine.
+func waitKey(machine, step string) string { return machine + "/" + step + " (wait)" }
 
 // LockIdentity forwards to the wrapped executor when it has one.
 func (c counting) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {

@@ -3,10 +3,12 @@ package operation_test
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,11 +16,15 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
@@ -44,21 +50,35 @@ type ichorCluster struct {
 
 func newIchorCluster(t *testing.T, spec sim.Spec) *ichorCluster {
 	t.Helper()
-	oldBin, newBin := testcluster.IchorBinary(t, env, oldVersion), testcluster.IchorBinary(t, env, newVersion)
-	spec.Kubelet.Binaries = map[string]string{oldImage: oldBin, newImage: newBin}
+	c := newIchorWorld(t, spec)
+	c.install()
+	return c
+}
+
+// newIchorWorld is newIchorCluster before the install: machines whose
+// kubelet runs either build, and nothing of Ichor yet.
+func newIchorWorld(t *testing.T, spec sim.Spec) *ichorCluster {
+	t.Helper()
+	spec.Kubelet.Binaries = map[string]string{oldImage: testcluster.IchorBinary(t, env, oldVersion), newImage: testcluster.IchorBinary(t, env, newVersion)}
 	spec.Kubelet.Env = testcluster.ProcessEnv()
 	c := &ichorCluster{cluster: newClusterIn(t, spec, ichorv1.DefaultNamespace)}
 	// Before the fleet's own cleanup: no controller pod may run on the
 	// next test's machines of the same names.
 	t.Cleanup(func() { removeIchor(t) })
-	install := exec.Command(oldBin, "install", "--image", oldImage)
+	return c
+}
+
+// install installs the old build as an admin does (its own installer),
+// and waits until its Deployment has rolled out and a controller of it leads.
+func (c *ichorCluster) install() {
+	c.t.Helper()
+	install := exec.Command(testcluster.IchorBinary(c.t, env, oldVersion), "install", "--image", oldImage)
 	install.Env = append(os.Environ(), "KUBECONFIG="+env.Kubeconfig)
 	if out, err := install.CombinedOutput(); err != nil {
-		t.Fatalf("install %s: %v\n%s", oldVersion, err, out)
+		c.t.Fatalf("install %s: %v\n%s", oldVersion, err, out)
 	}
 	c.writeTalosconfig()
 	c.waitRolledOut(oldImage, oldVersion)
-	return c
 }
 
 // removeIchor deletes what the installer and the controller made in
@@ -70,13 +90,23 @@ func removeIchor(t *testing.T) {
 	bg := client.PropagationPolicy(metav1.DeletePropagationBackground)
 	_ = env.Client.Delete(ctx, &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: manifests.Deployment}}, bg)
 	_ = env.Client.DeleteAllOf(ctx, &batchv1.Job{}, ns, bg)
-	testenv.Eventually(t, time.Minute, "the controller's pods to be gone", func(ctx context.Context) (bool, error) {
+	// The ReplicaSets too, before the pods: the garbage collector would
+	// remove them later, and until then they make pods again, which the
+	// next test's Deployment would find.
+	testenv.Eventually(t, time.Minute, "the controller's ReplicaSets and pods to be gone", func(ctx context.Context) (bool, error) {
+		if err := env.Client.DeleteAllOf(ctx, &appsv1.ReplicaSet{}, ns, bg); err != nil {
+			return false, err
+		}
 		if err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, ns, client.GracePeriodSeconds(0)); err != nil {
 			return false, err
 		}
+		var sets appsv1.ReplicaSetList
 		var pods corev1.PodList
+		if err := env.Client.List(ctx, &sets, ns); err != nil {
+			return false, err
+		}
 		err := env.Client.List(ctx, &pods, ns)
-		return err == nil && len(pods.Items) == 0, err
+		return err == nil && len(sets.Items) == 0 && len(pods.Items) == 0, err
 	})
 	_ = env.Client.DeleteAllOf(ctx, &coordinationv1.Lease{}, ns)
 	_ = env.Client.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
@@ -195,4 +225,182 @@ func TestIchorUpgradeThroughInstaller(t *testing.T) {
 	if got, want := holders(), []string{opID, jobID, opID, ""}; !slices.Equal(got, want) {
 		t.Errorf("the cluster lock's holders over time:\n %q\nwant\n %q", got, want)
 	}
+}
+
+// An ichor upgrade with the old controller killed at each step, between a
+// call and the status write that records it, and during the rollout, and
+// then the new leader killed as it waits for the last old pod: the next
+// controller (a standby replica of either build) takes over where status
+// says, and the outcome is that of an upgrade nobody killed. One installer
+// Job; the lock lent to it and taken back, never free between; every pod
+// on the new build; and the operation marked Succeeded by the new build:
+// a controller of the old version never marks it done.
+func TestIchorKilledAtEveryStep(t *testing.T) {
+	tests := []struct {
+		name string
+		// hook kills the old leader from inside its calls: it calls kill.
+		hook func(kill func()) controllerOption
+		// during, when set instead, kills old once the operation runs.
+		during func(c *ichorCluster, old *controller, kill func())
+		// step is where status stands once the killed leader is gone.
+		step string
+	}{
+		{name: "after creating the installer Job, before lending it the lock", step: executor.StepIchorInstall,
+			hook: func(kill func()) controllerOption {
+				return afterWrite(http.MethodPost, "/namespaces/"+ichorv1.DefaultNamespace+"/jobs", func(runtime.Object) bool { return true }, kill)
+			}},
+		{name: "after lending the lock to the Job, before status records it", step: executor.StepIchorInstall, hook: afterLend},
+		{name: "after taking the lock back from the Job, before status records it", step: executor.StepIchorJob, hook: afterReclaim},
+		{name: "during the rollout, then the new leader", during: killDuringRollout},
+		{name: "after the rollout, the old leader outliving its pods", during: killAfterRollout, step: executor.StepNewVersion},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := newIchorWorld(t, sim.Cluster("", 1, 1))
+			holders := c.watchLockHolders()
+			var killed atomic.Bool
+			var old *controller
+			kill := func() {
+				if killed.CompareAndSwap(false, true) {
+					old.Kill()
+				}
+			}
+			var opts []controllerOption
+			if tt.hook != nil {
+				opts = append(opts, tt.hook(kill))
+			}
+			old = c.startOldLeader(opts...)
+			c.install()
+			c.create("ichor", ichorv1.TalosOperationSpec{Kind: ichorv1.KindIchor, Ichor: &ichorv1.IchorUpgrade{Version: newVersion}})
+			if tt.during != nil {
+				tt.during(c, old, kill)
+			}
+			testenv.Eventually(t, 3*time.Minute, "the old leader to be killed", func(context.Context) (bool, error) {
+				return killed.Load(), nil
+			})
+			<-old.Exited()
+			if op := c.get("ichor"); tt.step != "" && (len(op.Status.Machines) == 0 || op.Status.Machines[0].Step != tt.step) {
+				t.Fatalf("the killed controller was killed elsewhere than at %s: %s", tt.step, boundary(op))
+			}
+			op := c.waitSucceeded("ichor", 5*time.Minute)
+
+			if want := "finished by ichor-controller " + newVersion; !strings.HasSuffix(op.Status.Machines[0].Message, want) {
+				t.Errorf("the operation was marked done as %q, want it finished by %s", op.Status.Machines[0].Message, newVersion)
+			}
+			for _, p := range controllerPods(t) {
+				if img := p.Spec.Containers[0].Image; img != newImage || !isReady(&p) {
+					t.Errorf("controller pod %s runs %s (ready %v), want %s", p.Name, img, isReady(&p), newImage)
+				}
+			}
+			jobs := jobsOf(t, op)
+			if len(jobs) != 1 || jobs[0].Status.Succeeded != 1 {
+				t.Fatalf("the operation started %d Jobs (%+v), want 1 that succeeded", len(jobs), jobs)
+			}
+			opID := ichorv1.OperationIdentity(c.ns, "ichor")
+			jobID := ichorv1.JobIdentity(ichorv1.DefaultNamespace, jobs[0].Name)
+			if got, want := holders(), []string{opID, jobID, opID, ""}; !slices.Equal(got, want) {
+				t.Errorf("the cluster lock's holders over time:\n %q\nwant\n %q", got, want)
+			}
+		})
+	}
+}
+
+// startOldLeader runs a controller of the old build in the test, killable
+// (as SIGKILL would: it releases nothing), and waits until it leads: the
+// Deployment's pods, installed after it, stand by. It is the old build's
+// code, stamped with its version and image.
+func (c *ichorCluster) startOldLeader(opts ...controllerOption) *controller {
+	c.t.Helper()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ichorv1.DefaultNamespace}}
+	if err := env.Client.Create(context.Background(), ns); err != nil && !apierrors.IsAlreadyExists(err) {
+		c.t.Fatal(err)
+	}
+	oldBuild := func(o *app.Options, _ **rest.Config) { o.Version, o.Image = oldVersion, oldImage }
+	old := c.startKillableWith(append([]controllerOption{withLeaderElection(), oldBuild}, opts...)...)
+	select {
+	case <-old.Elected():
+	case <-time.After(time.Minute):
+		c.t.Fatal("the old controller did not lead within a minute")
+	}
+	return old
+}
+
+// afterReclaim calls do after the write of the cluster lock Lease that
+// takes it back from its borrower: the first one not lent after one lent.
+func afterReclaim(do func()) controllerOption {
+	var wasLent atomic.Bool
+	return afterWrite(http.MethodPut, "/leases/"+ichorv1.LockLeaseName, func(obj runtime.Object) bool {
+		if lent(obj) {
+			wasLent.Store(true)
+			return false
+		}
+		return wasLent.Load()
+	}, do)
+}
+
+// killDuringRollout kills the old leader once the rollout has started a
+// pod of the new build; then, once a new leader waits for the last pod not
+// on the new build (a stray one the test started, which holds the rollout
+// open), kills every pod of the new build, the leader among them; the
+// next new leader finishes once the stray pod is gone.
+func killDuringRollout(c *ichorCluster, _ *controller, kill func()) {
+	c.t.Helper()
+	ctx := context.Background()
+	stray := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: "stray",
+			Labels: map[string]string{"app.kubernetes.io/name": manifests.Deployment}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: manifests.Container, Image: "registry.k8s.io/pause:3.10"}}},
+	}
+	c.createObject(stray)
+	testenv.Eventually(c.t, 3*time.Minute, "the rollout to start a pod of "+newImage, func(ctx context.Context) (bool, error) {
+		d := &appsv1.Deployment{}
+		err := env.Client.Get(ctx, keyOf(ichorv1.DefaultNamespace, manifests.Deployment), d)
+		return err == nil && d.Spec.Template.Spec.Containers[0].Image == newImage && d.Status.UpdatedReplicas > 0, err
+	})
+	kill()
+	waiting := "waiting for pod stray (registry.k8s.io/pause:3.10) to go"
+	c.waitFor("ichor", "a new leader to wait for the stray pod", 3*time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return len(op.Status.Machines) == 1 && op.Status.Machines[0].Message == waiting
+	})
+	leader := leaderLease(c.t, c.cluster)
+	for _, p := range controllerPods(c.t) {
+		if p.Spec.Containers[0].Image == newImage {
+			if err := env.Client.Delete(ctx, &p, client.GracePeriodSeconds(0)); err != nil {
+				c.t.Fatal(err)
+			}
+		}
+	}
+	testenv.Eventually(c.t, 3*time.Minute, "another new leader", func(ctx context.Context) (bool, error) {
+		l := &coordinationv1.Lease{}
+		err := env.Client.Get(ctx, keyOf(ichorv1.DefaultNamespace, ichorv1.LeaderLeaseName), l)
+		return err == nil && l.Spec.HolderIdentity != nil && *l.Spec.HolderIdentity != *leader.Spec.HolderIdentity, err
+	})
+	if err := env.Client.Delete(ctx, stray, client.GracePeriodSeconds(0)); err != nil {
+		c.t.Fatal(err)
+	}
+}
+
+// killAfterRollout keeps the old leader leading until every pod runs the
+// new build, ready, and it has checked the last step since: it still waits
+// for the new version (it would mark the operation done now if it did
+// not tell its own version from the target's). Then it is killed.
+func killAfterRollout(c *ichorCluster, old *controller, kill func()) {
+	c.t.Helper()
+	c.waitRolledOut(newImage, oldVersion)
+	checks := waitKey(c.get("ichor").Status.Machines[0].Name, executor.StepNewVersion)
+	// Any change of the operation has it reconciled, which checks the
+	// step. Twice: the second check starts once the first one's reconcile,
+	// status write included, has ended.
+	for i := range 2 {
+		n := old.steps.count(checks)
+		c.kubectl("annotate", "--overwrite", "talosoperation", "ichor", fmt.Sprintf("test.ichor.maesh.dev/poke=%d", i))
+		testenv.Eventually(c.t, time.Minute, "the old leader to check the last step after the rollout", func(context.Context) (bool, error) {
+			return old.steps.count(checks) > n || c.get("ichor").Succeeded(), nil
+		})
+	}
+	waiting := "waiting for ichor-controller " + newVersion + " to take over (this controller is " + oldVersion + ")"
+	if op := c.get("ichor"); op.Succeeded() || op.Status.Machines[0].Message != waiting {
+		c.t.Errorf("after the rollout the old leader left the operation %s: %q, want it %q", op.Status.Phase, op.Status.Machines[0].Message, waiting)
+	}
+	kill()
 }

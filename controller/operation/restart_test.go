@@ -104,7 +104,7 @@ func TestLeaderElection(t *testing.T) {
 	}
 }
 
-func leaderLease(t *testing.T, c *cluster) *coordinationv1.Lease {
+func leaderLease(t testing.TB, c *cluster) *coordinationv1.Lease {
 	t.Helper()
 	l := &coordinationv1.Lease{}
 	testenv.Eventually(t, 30*time.Second, "the leader Lease to carry the version", func(ctx context.Context) (bool, error) {
