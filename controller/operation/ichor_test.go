@@ -360,6 +360,9 @@ func killDuringRollout(c *ichorCluster, _ *controller, kill func()) {
 	kill()
 	waiting := "waiting for pod stray (registry.k8s.io/pause:3.10) to go"
 	c.waitFor("ichor", "a new leader to wait for the stray pod", 3*time.Minute, func(op *ichorv1.TalosOperation) bool {
+		if op.Succeeded() {
+			c.t.Fatalf("the operation was marked done with a pod not on %s left: %s", newImage, op.Status.Machines[0].Message)
+		}
 		return len(op.Status.Machines) == 1 && op.Status.Machines[0].Message == waiting
 	})
 	leader := leaderLease(c.t, c.cluster)
