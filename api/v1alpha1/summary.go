@@ -29,6 +29,85 @@ func (o *TalosOperation) CancelRequested() (bool, string) {
 	return true, who
 }
 
+// SkipRequest is a request to skip one machine (SkipAnnotation).
+type SkipRequest struct {
+	// Machine is the machine to skip.
+	Machine string
+	// By is who asked: SkipByAnnotation's value, "an operator" when empty.
+	By string
+	// Uncordon lifts Ichor's cordon on the machine as well.
+	Uncordon bool
+}
+
+// SkipRequested returns the skip request the operation's annotations
+// carry, if any.
+func (o *TalosOperation) SkipRequested() (SkipRequest, bool) {
+	name, ok := o.Annotations[SkipAnnotation]
+	if !ok {
+		return SkipRequest{}, false
+	}
+	by := strings.TrimSpace(o.Annotations[SkipByAnnotation])
+	if by == "" {
+		by = "an operator"
+	}
+	return SkipRequest{Machine: strings.TrimSpace(name), By: by, Uncordon: o.Annotations[SkipUncordonAnnotation] == "true"}, true
+}
+
+// Machine returns the status entry of the named machine, or nil.
+func (s *TalosOperationStatus) Machine(name string) *MachineStatus {
+	for i := range s.Machines {
+		if s.Machines[i].Name == name {
+			return &s.Machines[i]
+		}
+	}
+	return nil
+}
+
+// CannotSkip says why the named machine cannot be skipped, or "" when it
+// can: only a machine whose step failed, with nothing of it in flight, of
+// an operation that has not ended. A machine with a step in flight is
+// refused, since an irreversible call (an upgrade, a reboot) may be under
+// way on it; a machine that has not started is left out with the hold
+// annotation instead. The plugin and the controller both judge by it.
+func (o *TalosOperation) CannotSkip(name string) string {
+	switch {
+	case o.Succeeded():
+		return "the operation has succeeded"
+	case o.Cancelled():
+		return "the operation was cancelled"
+	case o.Refused():
+		return "the operation was refused and nothing ran"
+	}
+	m := o.Status.Machine(name)
+	if m == nil {
+		names := make([]string, 0, len(o.Status.Machines))
+		for _, m := range o.Status.Machines {
+			names = append(names, m.Name)
+		}
+		if len(names) == 0 {
+			return fmt.Sprintf("it has no machine %q (none are planned yet)", name)
+		}
+		if len(names) > 10 {
+			names = append(names[:10], fmt.Sprintf("and %d more", len(names)-10))
+		}
+		return fmt.Sprintf("it has no machine %q; its machines: %s", name, strings.Join(names, ", "))
+	}
+	switch m.Phase {
+	case MachineFailed:
+		return ""
+	case MachineInProgress:
+		if m.Stopped {
+			return fmt.Sprintf("%s has not failed: it stopped between two steps (next: %s); only a machine whose step failed can be skipped", name, m.Step)
+		}
+		return fmt.Sprintf("%s has a step in flight (%s), and an irreversible call may be under way on it: wait until the step has ended, then skip it if it failed", name, m.Step)
+	case MachineSucceeded:
+		return fmt.Sprintf("%s is done already (Succeeded)", name)
+	case MachineSkipped:
+		return fmt.Sprintf("%s is skipped already (%s)", name, m.Message)
+	}
+	return fmt.Sprintf("%s has not started: to leave it out, put its Node on hold (kubectl annotate node %s %s=REASON)", name, name, UpgradeHoldAnnotation)
+}
+
 // Refused reports whether preflight refused the operation (nothing ran).
 func (o *TalosOperation) Refused() bool { return o.Status.Phase == PhaseRefused }
 

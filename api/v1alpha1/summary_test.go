@@ -96,3 +96,61 @@ func TestParseLockHolder(t *testing.T) {
 		}
 	}
 }
+
+func TestCannotSkip(t *testing.T) {
+	status := failedStatus(
+		ichorv1.MachineStatus{Name: "w-1", Phase: ichorv1.MachineInProgress, Step: "install"},
+		ichorv1.MachineStatus{Name: "w-2", Phase: ichorv1.MachineInProgress, Step: "uncordon", Stopped: true},
+		ichorv1.MachineStatus{Name: "w-3", Phase: ichorv1.MachinePending},
+		ichorv1.MachineStatus{Name: "w-4", Phase: ichorv1.MachineSkipped, Message: "held by annotation ichor.maesh.dev/upgrade-hold"},
+	)
+	succeeded := status
+	succeeded.Phase = ichorv1.PhaseSucceeded
+	tests := []struct {
+		name, machine string
+		status        ichorv1.TalosOperationStatus
+		want          string
+	}{
+		{"failed", "cp-2", status, ""},
+		{"step in flight", "w-1", status, "w-1 has a step in flight (install), and an irreversible call may be under way on it: wait until the step has ended, then skip it if it failed"},
+		{"between steps", "w-2", status, "w-2 has not failed: it stopped between two steps (next: uncordon); only a machine whose step failed can be skipped"},
+		{"not started", "w-3", status, "w-3 has not started: to leave it out, put its Node on hold (kubectl annotate node w-3 ichor.maesh.dev/upgrade-hold=REASON)"},
+		{"skipped", "w-4", status, "w-4 is skipped already (held by annotation ichor.maesh.dev/upgrade-hold)"},
+		{"done", "cp-1", status, "cp-1 is done already (Succeeded)"},
+		{"unknown", "w-9", status, `it has no machine "w-9"; its machines: cp-1, cp-2, w-1, w-2, w-3, w-4`},
+		{"not planned", "w-9", ichorv1.TalosOperationStatus{}, `it has no machine "w-9" (none are planned yet)`},
+		{"operation succeeded", "cp-2", succeeded, "the operation has succeeded"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := op(nil, ichorv1.TalosOperationSpec{}, tt.status)
+			if got := o.CannotSkip(tt.machine); got != tt.want {
+				t.Errorf("CannotSkip(%s) = %q, want %q", tt.machine, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestSkipRequested(t *testing.T) {
+	tests := []struct {
+		name        string
+		annotations map[string]string
+		want        ichorv1.SkipRequest
+		ok          bool
+	}{
+		{"none", nil, ichorv1.SkipRequest{}, false},
+		{"kubectl annotate", map[string]string{ichorv1.SkipAnnotation: " w-2 "}, ichorv1.SkipRequest{Machine: "w-2", By: "an operator"}, true},
+		{"the plugin's", map[string]string{ichorv1.SkipAnnotation: "w-2", ichorv1.SkipByAnnotation: "alice", ichorv1.SkipUncordonAnnotation: "true"},
+			ichorv1.SkipRequest{Machine: "w-2", By: "alice", Uncordon: true}, true},
+		{"uncordon other value", map[string]string{ichorv1.SkipAnnotation: "w-2", ichorv1.SkipUncordonAnnotation: "yes"}, ichorv1.SkipRequest{Machine: "w-2", By: "an operator"}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := op(tt.annotations, ichorv1.TalosOperationSpec{}, ichorv1.TalosOperationStatus{})
+			got, ok := o.SkipRequested()
+			if got != tt.want || ok != tt.ok {
+				t.Errorf("SkipRequested() = %+v, %v; want %+v, %v", got, ok, tt.want, tt.ok)
+			}
+		})
+	}
+}

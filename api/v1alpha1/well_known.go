@@ -15,6 +15,23 @@ const (
 	// name). Unlike deleting, the record stays.
 	CancelAnnotation = "ichor.maesh.dev/cancel"
 
+	// SkipAnnotation on an operation asks the controller to give up on one
+	// machine whose step failed (broken hardware) and go on with the rest:
+	// its value is the machine's name. The controller acts on it once, like
+	// a retry request: it marks the machine Skipped ("skipped by ..."),
+	// lifts Ichor's cordon on it when SkipUncordonAnnotation says so, and
+	// removes the request's annotations. A request it cannot act on (no
+	// such machine, a machine whose step did not fail) is removed with a
+	// SkipIgnored Event saying why.
+	SkipAnnotation = "ichor.maesh.dev/skip"
+	// SkipByAnnotation beside SkipAnnotation names who asked (kubectl ichor
+	// operation skip writes the requester's user name); "an operator" when
+	// absent.
+	SkipByAnnotation = "ichor.maesh.dev/skip-by"
+	// SkipUncordonAnnotation set to "true" beside SkipAnnotation also lifts
+	// Ichor's cordon on the skipped machine; without it the cordon stays.
+	SkipUncordonAnnotation = "ichor.maesh.dev/skip-uncordon"
+
 	// UpgradeHoldAnnotation on a Node skips that machine (machine phase Skipped).
 	UpgradeHoldAnnotation = "ichor.maesh.dev/upgrade-hold"
 	// UpgradeOrderLabel (an integer) on a Node sorts machines within their tier.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strings"
 	"sync"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -29,6 +28,9 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	t.collect()
+	if err := t.actOnSkip(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
 	if !t.started() {
 		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
 			return ctrl.Result{}, err
@@ -372,16 +374,22 @@ func (t *turn) skipHeld() {
 }
 
 // reconcileOver is the turn of an operation that has ended: it lets go of
-// the cluster lock if it still holds it, and removes a retry request (there
-// is nothing to run again).
+// the cluster lock if it still holds it, and removes a retry or skip
+// request (there is nothing to run again or to skip).
 func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
 	if err := t.r.release(ctx, t.op); err != nil {
 		return ctrl.Result{}, err
 	}
-	if !t.op.RetryPending() && !t.op.Status.RetryConsumed {
+	if err := t.actOnSkip(ctx); err != nil {
+		return ctrl.Result{}, err
+	}
+	retry := t.op.RetryPending() || t.op.Status.RetryConsumed
+	if !retry && !t.dropSkip {
 		return ctrl.Result{}, nil
 	}
-	if t.newRetryRequest() {
+	switch {
+	case !retry:
+	case t.newRetryRequest():
 		why := "the operation has succeeded"
 		if t.op.Refused() {
 			why = "the operation was refused and nothing ran; a retry does not check it again: fix what its failed checks say and create a new operation"
@@ -390,13 +398,13 @@ func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
 			}
 		}
 		t.ignoreRetry(why)
-	} else {
+	default:
 		t.forgetConsumedRetry()
 	}
 	if err := t.write(ctx); err != nil {
 		return ctrl.Result{}, err
 	}
-	return ctrl.Result{}, t.removeRetry(ctx)
+	return ctrl.Result{}, t.removeRequests(ctx)
 }
 
 // reconcileDelete lets a deleted operation go once nothing of it is in
@@ -448,6 +456,9 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 // waiter; the phase is Cancelled throughout.
 func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
 	var result ctrl.Result
+	if req, ok := t.op.SkipRequested(); ok {
+		t.ignoreSkip(req, "the operation was cancelled")
+	}
 	if !t.op.Settled() {
 		var err error
 		if result, err = t.settleEnding(ctx); err != nil {
@@ -472,7 +483,7 @@ func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
 	if again {
 		result = lookAgainSoon(result)
 	}
-	return result, errors.Join(err, t.removeRetry(ctx))
+	return result, errors.Join(err, t.removeRequests(ctx))
 }
 
 // settleEnding lets the steps in flight of a deleted or cancelled operation
@@ -510,26 +521,10 @@ func (t *turn) uncordon(ctx context.Context, why string) error {
 		}
 		t.nodes = nodes.Items
 	}
-	id := ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
 	for _, m := range t.op.Status.Machines {
-		n := t.node(m.Name)
-		if n == nil || n.Annotations[executor.CordonedByAnnotation] != id {
-			continue
+		if err := t.uncordonMachine(ctx, m, why); err != nil {
+			return err
 		}
-		step, ok := findStep(t.exec.Steps(t.op, &m), executor.StepUncordon)
-		if !ok || step.Run == nil {
-			// A kind that lifts its cordon inside another step (config's
-			// verify) has none of its own: the cordon is this operation's
-			// all the same.
-			step = executor.Uncordon()
-		}
-		sctx, cancel := context.WithTimeout(ctx, time.Minute)
-		_, err := step.Run(sctx, t.env(m))
-		cancel()
-		if err != nil {
-			return fmt.Errorf("lift the cordon of %s: %w", m.Name, err)
-		}
-		t.event(corev1.EventTypeNormal, "Uncordoned", "%s: cordon lifted (%s)", m.Name, why)
 	}
 	for _, e := range t.events {
 		e()

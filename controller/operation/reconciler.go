@@ -9,6 +9,7 @@ package operation
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -131,16 +132,16 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	}
 	if t.op.Succeeded() || t.op.Refused() {
 		// Let the next operation in at once, not a watch round trip later.
-		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRetry(ctx))
+		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRequests(ctx))
 	}
 	again, err := t.launch(ctx)
 	if err != nil {
-		return ctrl.Result{}, errors.Join(err, t.removeRetry(ctx))
+		return ctrl.Result{}, errors.Join(err, t.removeRequests(ctx))
 	}
 	if again {
 		result = lookAgainSoon(result)
 	}
-	return result, t.removeRetry(ctx)
+	return result, t.removeRequests(ctx)
 }
 
 // announce leaves the Event of a change of phase (or of the reason a
@@ -182,17 +183,30 @@ func (t *turn) write(ctx context.Context) error {
 	return nil
 }
 
-// removeRetry removes the retry annotation the turn has done with. When
-// that fails nothing else waits for it: status already records what the
-// request did (retryConsumed), and the next turn removes it again.
-func (t *turn) removeRetry(ctx context.Context) error {
-	if !t.dropRetry {
+// removeRequests removes the request annotations the turn has done with (a
+// retry, a skip). When that fails nothing else waits for it: status
+// already records what the request did (retryConsumed, the Skipped
+// machine), and the next turn removes it again.
+func (t *turn) removeRequests(ctx context.Context) error {
+	drop := map[string]any{}
+	if t.dropRetry {
+		drop[ichorv1.RetryAnnotation] = nil
+	}
+	if t.dropSkip {
+		for _, a := range skipAnnotations {
+			drop[a] = nil
+		}
+	}
+	if len(drop) == 0 {
 		return nil
 	}
-	patch := []byte(fmt.Sprintf(`{"metadata":{"annotations":{%q:null}}}`, ichorv1.RetryAnnotation))
+	patch, err := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": drop}})
+	if err != nil {
+		return err
+	}
 	before := t.op.ResourceVersion
 	if err := t.r.Client.Patch(ctx, t.op, client.RawPatch(types.MergePatchType, patch)); err != nil {
-		return fmt.Errorf("remove the retry annotation: %w", err)
+		return fmt.Errorf("remove the annotations of the requests acted on: %w", err)
 	}
 	t.r.superseded.Store(t.op.UID, before)
 	if t.op.Status.RetryConsumed {

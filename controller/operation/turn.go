@@ -55,8 +55,9 @@ type turn struct {
 	// field says it (the lock's holder and since when, the budget): the
 	// phases set it, deriveStatus puts it in the message.
 	why string
-	// dropRetry removes the retry annotation once status is written.
-	dropRetry bool
+	// dropRetry and dropSkip remove the retry and the skip request's
+	// annotations once status is written.
+	dropRetry, dropSkip bool
 	// canLaunch says the steps that persisted status records as in progress
 	// may start once status is written.
 	canLaunch bool
