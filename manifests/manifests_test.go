@@ -313,7 +313,7 @@ func TestOverrideMatrix(t *testing.T) {
 }
 
 // Updates that start nothing new are never denied: pausing, resuming,
-// retrying and relabelling an operation whose override is already true or
+// retrying, skipping a machine and relabelling an operation whose override is already true or
 // whose kind is dangerous, and clearing override.
 func TestUnrelatedUpdatesAreAllowed(t *testing.T) {
 	ns := setup(t)
@@ -328,6 +328,7 @@ func TestUnrelatedUpdatesAreAllowed(t *testing.T) {
 			{"pause", `{"spec":{"paused":true}}`},
 			{"resume", `{"spec":{"paused":false}}`},
 			{"retry", `{"metadata":{"annotations":{"ichor.maesh.dev/retry":"true"}}}`},
+			{"skip", `{"metadata":{"annotations":{"ichor.maesh.dev/skip":"w-1","ichor.maesh.dev/skip-by":"bob","ichor.maesh.dev/skip-uncordon":"true"}}}`},
 			{"label", `{"metadata":{"labels":{"team":"infra"}}}`},
 			{"clear override", `{"spec":{"override":false}}`},
 		} {

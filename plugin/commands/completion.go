@@ -68,6 +68,42 @@ func cancellable(op *ichorv1.TalosOperation) bool {
 
 func retryable(op *ichorv1.TalosOperation) bool { return op.StepFailed() && !op.RetryPending() }
 
+func skippable(op *ichorv1.TalosOperation) bool { return op.Status.FailedMachine() != nil }
+
+// completeSkip completes skip's NAME (operations with a failed machine),
+// then its MACHINE (that operation's failed machines).
+func (e *Env) completeSkip(cmd *cobra.Command, args []string, toComplete string) ([]string, cobra.ShellCompDirective) {
+	if len(args) == 0 {
+		return e.completeOperations(skippable)(cmd, args, toComplete)
+	}
+	if len(args) > 1 {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	ns, err := e.Namespace()
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveError
+	}
+	c, err := e.NewClient()
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveError
+	}
+	name, err := operationName(args[0])
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveNoFileComp
+	}
+	op, err := getOperation(cmd.Context(), c, ns, name)
+	if err != nil {
+		return nil, cobra.ShellCompDirectiveError
+	}
+	var names []string
+	for _, m := range op.Status.Machines {
+		if m.Phase == ichorv1.MachineFailed && strings.HasPrefix(m.Name, toComplete) {
+			names = append(names, m.Name)
+		}
+	}
+	return names, cobra.ShellCompDirectiveNoFileComp
+}
+
 // completeOperations completes operation names in the namespace the command
 // line names so far (-n, --context), keeping those the verb can act on.
 func (e *Env) completeOperations(keep func(*ichorv1.TalosOperation) bool) cobra.CompletionFunc {

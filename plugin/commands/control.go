@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 
 	"github.com/spf13/cobra"
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -267,15 +268,18 @@ func requester(ctx context.Context, c client.Client) string {
 	return r.Status.UserInfo.Username
 }
 
+// requester is the user the API server knows the caller as, or "".
+func (o *controlOptions) requester() string {
+	c, err := o.e.NewClient()
+	if err != nil {
+		return ""
+	}
+	return requester(context.Background(), c)
+}
+
 func newCancelCmd(e *Env) *cobra.Command {
 	o := &controlOptions{action: "cancel"}
-	o.plan = planCancel(func() string {
-		c, err := o.e.NewClient()
-		if err != nil {
-			return ""
-		}
-		return requester(context.Background(), c)
-	})
+	o.plan = planCancel(o.requester)
 	return newControlCmd(e, o, &cobra.Command{
 		Use:   "cancel NAME...",
 		Short: "Stop operations for good, keeping their record",
@@ -345,4 +349,92 @@ resumed ('%[1]s operation resume NAME' does both).`, e.Name, ichorv1.RetryAnnota
   %[1]s retry upgrade-talos-7fk2q --wait --timeout 30m`, e.Name),
 		ValidArgsFunction: e.completeOperations(retryable),
 	})
+}
+
+// planSkip sets the skip annotations for one machine, naming who asked.
+// What the controller would refuse (a machine with a step in flight, one
+// that has not failed, one the operation does not have) is refused here
+// first, in the same words, and nothing is sent.
+func planSkip(machine string, uncordon bool, who func() string) func(*ichorv1.TalosOperation, string) (plan, error) {
+	return func(op *ichorv1.TalosOperation, _ string) (plan, error) {
+		if err := finished(op, "skip"); err != nil {
+			return plan{}, err
+		}
+		if req, ok := op.SkipRequested(); ok {
+			if req.Machine == machine {
+				return plan{verb: "skip of " + view.Clean(machine) + " already requested (pending)"}, nil
+			}
+			return plan{}, fmt.Errorf("talosoperation %q has a skip of %s pending: wait until ichor-controller has acted on it (its %s annotation goes), then skip %s",
+				op.Name, view.Clean(req.Machine), ichorv1.SkipAnnotation, view.Clean(machine))
+		}
+		if why := op.CannotSkip(machine); why != "" {
+			return plan{}, fmt.Errorf("cannot skip %s in talosoperation %q: %s", view.Clean(machine), op.Name, view.Clean(why))
+		}
+		ann := map[string]string{ichorv1.SkipAnnotation: machine}
+		if by := who(); by != "" {
+			ann[ichorv1.SkipByAnnotation] = by
+		}
+		note := fmt.Sprintf("Ichor's cordon on %[1]s, if it left one, stays: --uncordon lifts it (or kubectl uncordon %[1]s)", view.Clean(machine))
+		if uncordon {
+			ann[ichorv1.SkipUncordonAnnotation] = "true"
+			note = ""
+		}
+		patch := mustJSON(map[string]any{"metadata": map[string]any{"annotations": ann}})
+		return plan{patch: patch, verb: "skip of " + view.Clean(machine) + " requested", note: note}, nil
+	}
+}
+
+// skipOptions drive skip: one operation and one of its machines.
+type skipOptions struct {
+	controlOptions
+	machine  string
+	uncordon bool
+}
+
+func (o *skipOptions) Complete(cmd *cobra.Command, args []string) error {
+	if err := o.controlOptions.Complete(cmd, args[:1]); err != nil {
+		return err
+	}
+	if o.machine = strings.TrimSpace(args[1]); o.machine == "" {
+		return usageErrorf("give the machine to skip: its Node name, as the operation lists it")
+	}
+	return nil
+}
+
+func newSkipCmd(e *Env) *cobra.Command {
+	o := &skipOptions{controlOptions: controlOptions{action: "skip"}}
+	o.plan = func(op *ichorv1.TalosOperation, command string) (plan, error) {
+		return planSkip(o.machine, o.uncordon, o.requester)(op, command)
+	}
+	cmd := newControlCmd(e, &o.controlOptions, &cobra.Command{
+		Use:   "skip NAME MACHINE",
+		Short: "Give up on a machine whose step failed, and go on with the rest",
+		Long: fmt.Sprintf(`Skip a machine of an operation after its step failed and you have given up
+on it (broken hardware): ichor-controller marks it Skipped, by you, and the
+operation goes on with the other machines. The skipped machine no longer
+counts against maxUnavailable as this operation's (a worker that is down
+still counts, as every worker that is down does). Ichor's cordon on it stays
+unless you pass --uncordon. The result says so: "done on 5/6 machine(s),
+1 skipped".
+
+Only a machine whose step failed can be skipped. A machine with a step in
+flight is refused, since an irreversible call (an upgrade, a reboot) may be
+under way on it: wait until the step has ended. To leave out a machine that
+has not started, put its Node on hold (%[2]s) instead.
+
+This sets the annotations %[3]s=MACHINE, %[4]s=<your user name>
+and, with --uncordon, %[5]s=true, as
+
+  kubectl annotate talosoperation NAME %[3]s=w-2 %[4]s=alice
+
+does. The controller acts on them once, leaves a MachineSkipped Event naming
+you, and removes them.`, e.Name, ichorv1.UpgradeHoldAnnotation, ichorv1.SkipAnnotation, ichorv1.SkipByAnnotation, ichorv1.SkipUncordonAnnotation),
+		Example: fmt.Sprintf(`  # Give up on worker-3, whose install failed, and lift Ichor's cordon on it
+  %[1]s operation skip upgrade-talos-7fk2q worker-3 --uncordon`, e.Name),
+		ValidArgsFunction: e.completeSkip,
+	})
+	cmd.RunE = runE(o)
+	cmd.Args = cobra.ExactArgs(2)
+	cmd.Flags().BoolVar(&o.uncordon, "uncordon", false, "Also lift Ichor's cordon on the skipped machine (without it the cordon stays)")
+	return cmd
 }

@@ -94,6 +94,12 @@ func retryPending(op *ichorv1.TalosOperation) {
 	op.Annotations = map[string]string{ichorv1.RetryAnnotation: ichorv1.RetryRequested}
 }
 
+func skipPending(machine string) opState {
+	return func(op *ichorv1.TalosOperation) {
+		op.Annotations = map[string]string{ichorv1.SkipAnnotation: machine, ichorv1.SkipByAnnotation: "alice"}
+	}
+}
+
 func succeeded(op *ichorv1.TalosOperation) { op.Status.Phase = ichorv1.PhaseSucceeded }
 
 func refused(op *ichorv1.TalosOperation) { op.Status.Phase = ichorv1.PhaseRefused }
@@ -186,6 +192,28 @@ func TestControlPatches(t *testing.T) {
 			errOut: "error: talosoperation \"a\" is Succeeded; nothing to retry\n", code: 1},
 		{name: "retry missing", op: newOp("a"), args: []string{"retry", "b"},
 			errOut: "Error from server (NotFound): talosoperations.ichor.maesh.dev \"b\" not found\n", code: 1},
+		{name: "skip failed", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2"},
+			patch: `{"metadata":{"annotations":{"ichor.maesh.dev/skip":"cp-2"}}}`, out: "talosoperation.ichor.maesh.dev/a skip of cp-2 requested\n",
+			errOut:    "Ichor's cordon on cp-2, if it left one, stays: --uncordon lifts it (or kubectl uncordon cp-2)\n",
+			wantAfter: func(op *ichorv1.TalosOperation) bool { req, ok := op.SkipRequested(); return ok && req.Machine == "cp-2" && !req.Uncordon }},
+		{name: "skip --uncordon", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2", "--uncordon"},
+			patch: `{"metadata":{"annotations":{"ichor.maesh.dev/skip":"cp-2","ichor.maesh.dev/skip-uncordon":"true"}}}`, out: "talosoperation.ichor.maesh.dev/a skip of cp-2 requested\n"},
+		{name: "skip client dry run", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2", "--dry-run=client"},
+			out: "talosoperation.ichor.maesh.dev/a skip of cp-2 requested (dry run)\n", errOut: "Ichor's cordon on cp-2, if it left one, stays: --uncordon lifts it (or kubectl uncordon cp-2)\n"},
+		{name: "skip unknown machine", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "w-9"},
+			errOut: "error: cannot skip w-9 in talosoperation \"a\": it has no machine \"w-9\"; its machines: cp-2\n", code: 1},
+		{name: "skip a step in flight", op: newOp("a", func(op *ichorv1.TalosOperation) {
+			op.Status.Machines = []ichorv1.MachineStatus{{Name: "w-1", Role: ichorv1.RoleWorker, Phase: ichorv1.MachineInProgress, Step: "install"}}
+		}), args: []string{"operation", "skip", "a", "w-1"},
+			errOut: "error: cannot skip w-1 in talosoperation \"a\": w-1 has a step in flight (install), and an irreversible call may be under way on it: wait until the step has ended, then skip it if it failed\n", code: 1},
+		{name: "skip succeeded", op: newOp("a", stepFailed, succeeded), args: []string{"operation", "skip", "a", "cp-2"},
+			errOut: "error: talosoperation \"a\" is Succeeded; nothing to skip\n", code: 1},
+		{name: "skip pending", op: newOp("a", stepFailed, skipPending("cp-2")), args: []string{"operation", "skip", "a", "cp-2"},
+			out: "talosoperation.ichor.maesh.dev/a skip of cp-2 already requested (pending)\n"},
+		{name: "skip another pending", op: newOp("a", stepFailed, skipPending("w-1")), args: []string{"operation", "skip", "a", "cp-2"},
+			errOut: "error: talosoperation \"a\" has a skip of w-1 pending: wait until ichor-controller has acted on it (its ichor.maesh.dev/skip annotation goes), then skip cp-2\n", code: 1},
+		{name: "skip without a machine", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a"},
+			errOut: "error: accepts 2 arg(s), received 1\nSee 'kubectl ichor operation skip -h' for help and examples\n", code: 1},
 		{name: "retry not an operation", op: newOp("a"), args: []string{"retry", "pod/a"},
 			errOut: "error: \"pod/a\" is not a TalosOperation: give NAME or talosoperation/NAME\nSee 'kubectl ichor retry -h' for help and examples\n", code: 1},
 	}

@@ -110,6 +110,9 @@ func (e *Env) describe(ctx context.Context, c client.Reader, op *ichorv1.TalosOp
 	if op.RetryPending() {
 		field("Retry", "requested, waiting for ichor-controller ("+ichorv1.RetryAnnotation+"="+ichorv1.RetryRequested+")")
 	}
+	if req, ok := op.SkipRequested(); ok {
+		field("Skip", fmt.Sprintf("of %s requested by %s, waiting for ichor-controller (%s)", view.Clean(req.Machine), view.Clean(req.By), ichorv1.SkipAnnotation))
+	}
 	field("Generation", fmt.Sprintf("%d (observed %d)", op.Generation, st.ObservedGeneration))
 	if op.DeletionTimestamp != nil {
 		field("Deleting", "since "+when(op.DeletionTimestamp)+"; let go once the step in flight settles")

@@ -21,9 +21,9 @@ func newOperationCmd(e *Env) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:     "operation",
 		Aliases: []string{"op", "ops", "operations"},
-		Short:   "List, describe, pause, resume, retry and delete operations",
+		Short:   "List, describe, pause, resume, retry, skip, cancel and delete operations",
 	}
-	cmd.AddCommand(newListCmd(e), newDescribeCmd(e), newPauseCmd(e), newResumeCmd(e), newRetryCmd(e), newCancelCmd(e), newDeleteCmd(e))
+	cmd.AddCommand(newListCmd(e), newDescribeCmd(e), newPauseCmd(e), newResumeCmd(e), newRetryCmd(e), newSkipCmd(e), newCancelCmd(e), newDeleteCmd(e))
 	return cmd
 }
 
