@@ -194,8 +194,11 @@ func TestControlPatches(t *testing.T) {
 			errOut: "Error from server (NotFound): talosoperations.ichor.maesh.dev \"b\" not found\n", code: 1},
 		{name: "skip failed", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2"},
 			patch: `{"metadata":{"annotations":{"ichor.maesh.dev/skip":"cp-2"}}}`, out: "talosoperation.ichor.maesh.dev/a skip of cp-2 requested\n",
-			errOut:    "Ichor's cordon on cp-2, if it left one, stays: --uncordon lifts it (or kubectl uncordon cp-2)\n",
-			wantAfter: func(op *ichorv1.TalosOperation) bool { req, ok := op.SkipRequested(); return ok && req.Machine == "cp-2" && !req.Uncordon }},
+			errOut: "Ichor's cordon on cp-2, if it left one, stays: --uncordon lifts it (or kubectl uncordon cp-2)\n",
+			wantAfter: func(op *ichorv1.TalosOperation) bool {
+				req, ok := op.SkipRequested()
+				return ok && req.Machine == "cp-2" && !req.Uncordon
+			}},
 		{name: "skip --uncordon", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2", "--uncordon"},
 			patch: `{"metadata":{"annotations":{"ichor.maesh.dev/skip":"cp-2","ichor.maesh.dev/skip-uncordon":"true"}}}`, out: "talosoperation.ichor.maesh.dev/a skip of cp-2 requested\n"},
 		{name: "skip client dry run", op: newOp("a", stepFailed), args: []string{"operation", "skip", "a", "cp-2", "--dry-run=client"},
