@@ -210,6 +210,13 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 	case op.Refused():
 		long(yellow, "Next:    ", RefusedNext(op))
 	}
+	if m := op.Status.FailedMachine(); m != nil && op.StepFailed() && !op.RetryPending() {
+		if req, ok := op.SkipRequested(); ok {
+			long(yellow, "         ", fmt.Sprintf("skip of %s requested; waiting for ichor-controller", Clean(req.Machine)))
+		} else {
+			long(yellow, "         ", fmt.Sprintf("or give up on %[1]s and go on without it: %[2]s operation skip %[3]s %[1]s", Clean(m.Name), o.Command, name))
+		}
+	}
 	return lines
 }
 
