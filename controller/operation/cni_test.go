@@ -22,6 +22,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
@@ -196,22 +197,43 @@ func TestCiliumUpgradeThroughJob(t *testing.T) {
 // A Job of someone else's that takes the lock with the same init
 // container waits its turn behind a cni operation, like any holder: it
 // gets the lock only once the operation has released it, never while the
-// operation's own Job holds it.
+// operation's own Job holds it. The operation's Job is held from running
+// (a ResourceQuota admits no pod of its priority class in kube-system)
+// until the other Job is queued behind it in the Lease.
 func TestForeignJobWaitsForCNI(t *testing.T) {
 	c := newCiliumCluster(t, sim.Cluster("", 1, 1))
 	holders := c.watchLockHolders()
+	quota := &corev1.ResourceQuota{
+		ObjectMeta: metav1.ObjectMeta{Namespace: cilium.Namespace, Name: "hold-cluster-critical"},
+		Spec: corev1.ResourceQuotaSpec{
+			Hard: corev1.ResourceList{corev1.ResourcePods: resource.MustParse("0")},
+			ScopeSelector: &corev1.ScopeSelector{MatchExpressions: []corev1.ScopedResourceSelectorRequirement{{
+				ScopeName: corev1.ResourceQuotaScopePriorityClass, Operator: corev1.ScopeSelectorOpIn, Values: []string{"system-cluster-critical"}}}},
+		},
+	}
+	c.createObject(quota)
+	unhold := func() { _ = env.Client.Delete(context.Background(), quota) }
+	t.Cleanup(unhold)
 	c.start(c.withImage())
 	c.create("cilium", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI})
 	c.waitFor("cilium", "to lend the lock to its Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		return len(op.Status.Machines) > 0 && op.Status.Machines[0].Step == executor.StepCilium
 	})
+	jobID := ichorv1.JobIdentity(cilium.Namespace, jobsOf(t, c.get("cilium"))[0].Name)
 	foreign := c.lockJob("take-lock")
+	foreignID := ichorv1.JobIdentity(c.ns, foreign.Name)
+	testenv.Eventually(t, 2*time.Minute, foreignID+" to queue behind "+jobID, func(context.Context) (bool, error) {
+		st := c.lockHolder()
+		if st.Holder.Identity != jobID {
+			return false, fmt.Errorf("the cluster lock is held by %q, want the operation's Job %s until it has run", st.Holder.Identity, jobID)
+		}
+		return slices.ContainsFunc(st.Waiting, func(w ichorv1.LockWaiter) bool { return w.Identity == foreignID }), nil
+	})
+	unhold()
 	c.waitSucceeded("cilium", 3*time.Minute)
 	c.waitJobSucceeded(foreign, 2*time.Minute)
 
 	opID := ichorv1.OperationIdentity(c.ns, "cilium")
-	jobID := ichorv1.JobIdentity(cilium.Namespace, jobsOf(t, c.get("cilium"))[0].Name)
-	foreignID := ichorv1.JobIdentity(c.ns, foreign.Name)
 	if got, want := holders(), []string{opID, jobID, opID, "", foreignID, ""}; !slices.Equal(got, want) {
 		t.Errorf("the cluster lock's holders over time:\n %q\nwant\n %q", got, want)
 	}
