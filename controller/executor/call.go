@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
+	"golang.org/x/sync/errgroup"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/talos"
@@ -127,16 +128,20 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 	}
 }
 
-// observe reads the machine's boot ID and stage.
+// observe reads the machine's boot ID and stage, both at once: they are
+// one look at the machine, right before the call.
 func (c call) observe(ctx context.Context, e *Env) (string, runtime.MachineStage, error) {
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	boot, err := talos.BootID(ctx, e.Talos, e.Address)
-	if err != nil {
+	var boot string
+	var stage runtime.MachineStage
+	var g errgroup.Group
+	g.Go(func() (err error) { boot, err = talos.BootID(ctx, e.Talos, e.Address); return err })
+	g.Go(func() (err error) { stage, err = talos.Stage(ctx, e.Talos, e.Address); return err })
+	if err := g.Wait(); err != nil {
 		return "", 0, err
 	}
-	stage, err := talos.Stage(ctx, e.Talos, e.Address)
-	return boot, stage, err
+	return boot, stage, nil
 }
 
 // sendChecked makes the call; on a control plane the etcd health check

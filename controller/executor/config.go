@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -139,10 +140,10 @@ func configMode(op *ichorv1.TalosOperation) machineconfig.Mode {
 }
 
 // Steps implements Executor. A reboot is planned when inspect recorded the
-// machine's boot ID: only then is it drained, and its apply is an
-// irreversible call (call.make) waited for by wait-rebooted. Otherwise the
-// apply is live (NO_REBOOT), which Talos refuses for a change that needs a
-// reboot.
+// machine's boot ID: only then is it cordoned and drained, and its apply is
+// an irreversible call (call.make) waited for by wait-rebooted. Otherwise
+// the apply is live (NO_REBOOT), which Talos refuses for a change that
+// needs a reboot.
 func (*ConfigRollout) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []Step {
 	reboot := m.BootID != ""
 	drain := reboot && (op.Spec.Drain == nil || !op.Spec.Drain.Disabled)
@@ -151,14 +152,32 @@ func (*ConfigRollout) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus
 		steps = append(steps, etcdHealthStep())
 	}
 	if drain {
-		steps = append(steps, cordonStep(), drainStep(op))
+		steps = append(steps, cordonDrainStep(op))
 	}
 	if reboot {
-		steps = append(steps, callStep(StepApply, 5*time.Minute, configApply), rebootedStep(nil, StepInspect))
+		steps = append(steps, callStep(StepApply, 5*time.Minute, configApply()), rebootedStep(nil, StepInspect))
 	} else {
 		steps = append(steps, configLiveStep())
 	}
 	return append(steps, configVerifyStep(drain))
+}
+
+// cordonDrainStep cordons the machine and drains it in one step, as
+// kubectl drain does: nothing happens between the two that status needs
+// to record (the cordon is the operation's own, marked with its identity,
+// and both are done again on a rerun without harm), so a machine that
+// reboots reaches its apply one status write sooner.
+func cordonDrainStep(op *ichorv1.TalosOperation) Step {
+	cordon, step := cordonStep(), drainStep(op)
+	drain := step.Run
+	step.Timeout += cordon.Timeout
+	step.Run = func(ctx context.Context, e *Env) (Outcome, error) {
+		if _, err := cordon.Run(ctx, e); err != nil {
+			return Outcome{}, &StepError{Reason: Reason(StepCordon, err), Err: err}
+		}
+		return drain(ctx, e)
+	}
+	return step
 }
 
 // configInspectStep plans the change on the configuration the machine runs
@@ -173,12 +192,26 @@ func configInspectStep() Step {
 		if err != nil {
 			return Outcome{}, err
 		}
+		// The boot ID is read beside the plan, not after it: it is recorded
+		// only when a reboot follows, and a read costs less than a round trip
+		// on the way to every reboot.
 		var ch machineconfig.Change
 		var reboot bool
-		if err := untilAnswers(ctx, func() (err error) {
-			ch, reboot, err = planChange(ctx, e, patches)
-			return err
-		}); err != nil {
+		var boot string
+		var g errgroup.Group
+		g.Go(func() error {
+			return untilAnswers(ctx, func() (err error) {
+				ch, reboot, err = planChange(ctx, e, patches)
+				return err
+			})
+		})
+		g.Go(func() error {
+			return untilAnswers(ctx, func() (err error) {
+				boot, err = talos.BootID(ctx, e.Talos, e.Address)
+				return err
+			})
+		})
+		if err := g.Wait(); err != nil {
 			return Outcome{}, configFail(err)
 		}
 		if ch.Applied() {
@@ -191,13 +224,7 @@ func configInspectStep() Step {
 		}
 		out := Outcome{To: ch.To, Message: "applies live"}
 		if reboot {
-			if err := untilAnswers(ctx, func() (err error) {
-				out.BootID, err = talos.BootID(ctx, e.Talos, e.Address)
-				return err
-			}); err != nil {
-				return Outcome{}, err
-			}
-			out.Message = "needs a reboot"
+			out.BootID, out.Message = boot, "needs a reboot"
 		}
 		return out, nil
 	}}
@@ -214,11 +241,20 @@ func configPatches(e *Env) ([]machineconfig.Patch, error) {
 // configApply is the apply that reboots (mode reboot, or auto where Talos
 // must reboot): an irreversible call, made at most once per step. Whether
 // it was made, the machine's configurations say (configMade), never its
-// silence.
-var configApply = call{what: "apply", reason: "ConfigApplyFailed", made: configMade,
-	send: func(ctx context.Context, e *Env) (Outcome, error) {
-		return sendConfig(ctx, e, configMode(e.Op))
-	}}
+// silence. What is sent is the change that configMade has just found not
+// applied, planned on what the machine runs: nothing is read twice.
+func configApply() call {
+	var planned machineconfig.Change
+	return call{what: "apply", reason: "ConfigApplyFailed",
+		made: func(ctx context.Context, e *Env, boot string) (bool, Outcome, error) {
+			made, out, ch, err := configMade(ctx, e, boot)
+			planned = ch
+			return made, out, err
+		},
+		send: func(ctx context.Context, e *Env) (Outcome, error) {
+			return sendConfig(ctx, e, planned, configMode(e.Op))
+		}}
+}
 
 // configLiveStep applies the change live (NO_REBOOT), once: before sending
 // it reads where the change stands on the machine, so that a rerun after a
@@ -232,13 +268,14 @@ func configLiveStep() Step {
 		for {
 			var made bool
 			var out Outcome
+			var ch machineconfig.Change
 			if err := untilAnswers(ctx, func() (err error) {
-				made, out, err = configMade(ctx, e, "")
+				made, out, ch, err = configMade(ctx, e, "")
 				return err
 			}); err != nil || made {
 				return out, err
 			}
-			out, err := sendConfig(ctx, e, machineconfig.NoReboot)
+			out, err := sendConfig(ctx, e, ch, machineconfig.NoReboot)
 			if talos.Unreachable(err) && ctx.Err() == nil {
 				// The answer was lost: whether it was applied, the machine says.
 				e.Log.Info("apply did not answer; reading where the change stands", "err", err)
@@ -257,54 +294,47 @@ func configLiveStep() Step {
 // boot ID now, "" when unknown): made when the machine runs the patched
 // configuration, or has it persisted to take at the reboot the apply
 // started; not made while the patches, applied to what it runs, still give
-// the planned configuration; a failed step when they give another (someone
-// else changed it).
-func configMade(ctx context.Context, e *Env, boot string) (bool, Outcome, error) {
+// the planned configuration, which it returns to be sent; a failed step
+// when they give another (someone else changed it).
+func configMade(ctx context.Context, e *Env, boot string) (bool, Outcome, machineconfig.Change, error) {
 	patches, err := configPatches(e)
 	if err != nil {
-		return false, Outcome{}, err
+		return false, Outcome{}, machineconfig.Change{}, err
 	}
 	state, ch, err := configMachine(e).StateOf(ctx, patches, e.Machine.To)
 	if err != nil {
-		return false, Outcome{}, configFail(err)
+		return false, Outcome{}, ch, configFail(err)
 	}
 	reboot := e.Machine.BootID != ""
 	switch state {
 	case machineconfig.Applied:
 		if reboot && boot != "" && boot != e.Machine.BootID {
-			return true, Outcome{Message: "applied; rebooted"}, nil
+			return true, Outcome{Message: "applied; rebooted"}, ch, nil
 		}
-		return true, Outcome{Next: StepVerify, Message: msgAppliedLive}, nil
+		return true, Outcome{Next: StepVerify, Message: msgAppliedLive}, ch, nil
 	case machineconfig.AwaitingReboot:
 		if !reboot {
-			return false, Outcome{}, Fail(machineconfig.ReasonRebootPending, "the patched configuration is persisted but not active, and no reboot was planned for this machine: reboot it (`kubectl ichor node reboot %s`), then retry", e.Machine.Name)
+			return false, Outcome{}, ch, Fail(machineconfig.ReasonRebootPending, "the patched configuration is persisted but not active, and no reboot was planned for this machine: reboot it (`kubectl ichor node reboot %s`), then retry", e.Machine.Name)
 		}
-		return true, Outcome{Message: msgRebooting}, nil
+		return true, Outcome{Message: msgRebooting}, ch, nil
 	case machineconfig.Diverged:
-		return false, Outcome{}, &StepError{Reason: machineconfig.ReasonDiverged, RetryFrom: StepInspect, Err: fmt.Errorf(
+		return false, Outcome{}, ch, &StepError{Reason: machineconfig.ReasonDiverged, RetryFrom: StepInspect, Err: fmt.Errorf(
 			"the machine's configuration changed since it was inspected: the patches give configuration %s now, not %s; someone else applied one; a retry inspects the machine again", ch.To, e.Machine.To)}
 	}
-	return false, Outcome{}, nil
+	return false, Outcome{}, ch, nil
 }
 
-// sendConfig plans the change again on what the machine runs (configMade
-// has just found it gives the planned configuration) and sends it in mode.
-// Talos's answer says whether the machine reboots to take it.
-func sendConfig(ctx context.Context, e *Env, mode machineconfig.Mode) (Outcome, error) {
-	patches, err := configPatches(e)
-	if err != nil {
-		return Outcome{}, err
-	}
-	m := configMachine(e)
-	ch, err := m.Plan(ctx, patches)
-	if err != nil {
-		return Outcome{}, configFail(err)
-	}
-	if ch.To != e.Machine.To {
+// sendConfig sends ch, the change configMade has just found not applied
+// (the patches, applied to what the machine runs, give the planned
+// configuration), in mode. Talos's answer says whether the machine reboots
+// to take it.
+func sendConfig(ctx context.Context, e *Env, ch machineconfig.Change, mode machineconfig.Mode) (Outcome, error) {
+	if ch.Config == nil || ch.To != e.Machine.To {
+		// Never sent unplanned: configMade found it not applied just before.
 		return Outcome{}, &StepError{Reason: machineconfig.ReasonDiverged, RetryFrom: StepInspect, Err: fmt.Errorf(
 			"the machine's configuration changed while the change was being applied; a retry inspects it again")}
 	}
-	res, err := m.Apply(ctx, ch.Config, mode)
+	res, err := configMachine(e).Apply(ctx, ch.Config, mode)
 	if err != nil {
 		return Outcome{}, configFail(err)
 	}
@@ -323,15 +353,14 @@ func configVerifyStep(uncordon bool) Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
+		// The configuration and the boot ID at once: one look at the machine.
 		m := configMachine(e)
 		var boot string
 		err := untilAnswers(ctx, func() error {
-			if err := m.Verify(ctx, e.Machine.To); err != nil {
-				return err
-			}
-			var err error
-			boot, err = talos.BootID(ctx, e.Talos, e.Address)
-			return err
+			var g errgroup.Group
+			g.Go(func() error { return m.Verify(ctx, e.Machine.To) })
+			g.Go(func() (err error) { boot, err = talos.BootID(ctx, e.Talos, e.Address); return err })
+			return g.Wait()
 		})
 		if machineconfig.Reason(err) == machineconfig.ReasonNotActive {
 			return Outcome{}, &StepError{Reason: machineconfig.ReasonNotActive, RetryFrom: StepInspect, Err: fmt.Errorf("%w (a retry inspects the machine again)", err)}

@@ -21,6 +21,7 @@ import (
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	"github.com/siderolabs/talos/pkg/machinery/config"
 	configres "github.com/siderolabs/talos/pkg/machinery/resources/config"
+	"golang.org/x/sync/errgroup"
 
 	"maesh.dev/ichor/controller/talos"
 )
@@ -166,17 +167,23 @@ func (s State) String() string {
 // and persistent configurations. It is what makes an apply safe to rerun,
 // even for a patch that appends to a list: only a NotApplied change may be
 // sent, and StateOf returns it, planned again on what the machine runs.
+//
+// Both configurations are read at once: one round trip, not two in a row,
+// on the path of every apply.
 func (m Machine) StateOf(ctx context.Context, patches []Patch, to string) (State, Change, error) {
-	ch, err := m.Plan(ctx, patches)
+	var active, persistent config.Provider
+	var g errgroup.Group
+	g.Go(func() (err error) { active, err = m.Active(ctx); return err })
+	g.Go(func() (err error) { persistent, err = m.Persistent(ctx); return err })
+	if err := g.Wait(); err != nil {
+		return 0, Change{}, err
+	}
+	ch, err := PlanOn(active, patches)
 	if err != nil {
 		return 0, Change{}, err
 	}
 	if ch.From == to {
 		return Applied, ch, nil
-	}
-	persistent, err := m.Persistent(ctx)
-	if err != nil {
-		return 0, Change{}, err
 	}
 	pf, err := Fingerprint(persistent)
 	switch {
