@@ -27,7 +27,10 @@ func TestDescribeFailedStep(t *testing.T) {
 	ctx := context.Background()
 	ns, ctrl := env.Namespace(t), env.Namespace(t)
 	op := createOp(t, ns, "upgrade-2")
-	at := func(d time.Duration) *metav1.Time { tm := metav1.NewTime(time.Now().Add(-d).Truncate(time.Second)); return &tm }
+	at := func(d time.Duration) *metav1.Time {
+		tm := metav1.NewTime(time.Now().Add(-d).Truncate(time.Second))
+		return &tm
+	}
 	const cause = "install factory.talos.dev/metal-installer/376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba:v1.13.7 (legacy MachineService.Upgrade): rpc error: code = Internal desc = simulated fault error:Upgrade:Internal on sandbox-w-2"
 	msg := "InstallFailed on sandbox-w-2 (install): " + cause
 	machine := func(name string, role ichorv1.MachineRole, phase ichorv1.MachinePhase, step string, start, took time.Duration, message string) ichorv1.MachineStatus {
@@ -66,7 +69,7 @@ func TestDescribeFailedStep(t *testing.T) {
 		{corev1.EventTypeWarning, "StepFailed", "sandbox-w-2: install failed: " + cause},
 		{corev1.EventTypeNormal, "Paused", "StepFailed: " + msg},
 	} {
-		when := metav1.NewTime(at(20*time.Minute).Add(time.Duration(i) * time.Millisecond))
+		when := metav1.NewTime(at(20 * time.Minute).Add(time.Duration(i) * time.Millisecond))
 		ev := &corev1.Event{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "upgrade-2." + string(rune('a'+i))},
 			InvolvedObject: corev1.ObjectReference{APIVersion: ichorv1.GroupVersion.String(), Kind: "TalosOperation", Namespace: ns, Name: op.Name, UID: op.UID},
 			Type:           e.typ, Reason: e.reason, Message: e.msg, Source: corev1.EventSource{Component: "ichor-controller"},
