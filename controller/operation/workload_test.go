@@ -463,6 +463,19 @@ func (c *cluster) watchLockHolders() func() []string {
 	}
 }
 
+// freeAgain waits until the holders that watchLockHolders records end with
+// the lock free, and returns them: an operation lets go of the lock right
+// after it writes Succeeded, a moment after waitSucceeded has seen that.
+func freeAgain(t testing.TB, holders func() []string) []string {
+	t.Helper()
+	var got []string
+	testenv.Eventually(t, time.Minute, "the cluster lock let go", func(context.Context) (bool, error) {
+		got = holders()
+		return len(got) > 0 && got[len(got)-1] == "", nil
+	})
+	return got
+}
+
 // TestMachineStaysDown: a machine that does not come back from a reboot
 // stops renewing its Node Lease, the real node-lifecycle controller marks
 // its Node Unknown and taints it unreachable, and Ichor's wait for the
