@@ -106,18 +106,8 @@ func TestInterrupt(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "--dir", dir, "--control-planes", "1", "--workers", "1", "--pace", "100ms")
-	cmd.Env = append(os.Environ(), childEnv+"=1")
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var errOut bytes.Buffer
-	cmd.Stderr = &errOut
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	printed := waitReady(t, stdout, &errOut)
+	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--control-planes", "1", "--workers", "1", "--pace", "100ms")
+	printed := waitReady(t, stdout, errOut)
 
 	st := readState(t, filepath.Join(dir, fileState))
 	if st.PID != cmd.Process.Pid {
@@ -317,22 +307,12 @@ func TestWalkThrough(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "sandbox")
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, os.Args[0], "--dir", dir, "--control-planes", "1", "--workers", "2", "--pace", "200ms")
-	cmd.Env = append(os.Environ(), childEnv+"=1")
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var errOut bytes.Buffer
-	cmd.Stderr = &errOut
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--control-planes", "1", "--workers", "2", "--pace", "200ms")
 	defer func() {
 		_ = cmd.Process.Signal(syscall.SIGINT)
 		_ = cmd.Wait()
 	}()
-	printed := waitReady(t, stdout, &errOut)
+	printed := waitReady(t, stdout, errOut)
 
 	cmds := walkCommands(printed)
 	var lines []string
@@ -405,4 +385,22 @@ func TestWalkTargets(t *testing.T) {
 			t.Errorf("walkTargets(%s) = %v, want %v", tc.running, got, tc.want)
 		}
 	}
+}
+
+// startSandbox starts this test binary as a sandbox with args: its stdout
+// piped, its stderr kept.
+func startSandbox(ctx context.Context, t *testing.T, args ...string) (*exec.Cmd, io.Reader, *bytes.Buffer) {
+	t.Helper()
+	cmd := exec.CommandContext(ctx, os.Args[0], args...)
+	cmd.Env = append(os.Environ(), childEnv+"=1")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	errOut := &bytes.Buffer{}
+	cmd.Stderr = errOut
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return cmd, stdout, errOut
 }
