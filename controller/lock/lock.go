@@ -152,7 +152,13 @@ type Result struct {
 	Ahead string
 	// TookOver names the stale holder replaced, with why, when that happened.
 	TookOver string
+	// Seen is the Lease as Acquire read or wrote it, for ConfirmSeen.
+	Seen Seen
 }
+
+// Seen is a Lease that one of the Lock's calls read from the API server
+// itself (or wrote) and in which the taker held the lock.
+type Seen struct{ lease *coordinationv1.Lease }
 
 // State is the lock as it is now.
 type State struct {
@@ -299,7 +305,7 @@ func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
 	switch {
 	case st.Holds(me):
 		// Its own, or lent by it to its Job: it still holds it, through the borrower.
-		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since}, nil
+		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since, Seen: Seen{lease}}, nil
 	case st.Holder.UID == "" && st.Holder.Identity == me.Identity:
 		// Taken before holders' UIDs were recorded: it is this holder's.
 		if err := l.write(ctx, lease, func(le *coordinationv1.Lease) { setHolder(le, me, st.Since) }); err != nil {
@@ -462,7 +468,21 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 // judged h stale from an earlier read then fails to take the lock (its
 // write conflicts with this one); if it took the lock first, Confirm
 // returns a *NotHeldError and nothing may start.
-func (l *Lock) Confirm(ctx context.Context, h Holder) error {
+func (l *Lock) Confirm(ctx context.Context, h Holder) error { return l.ConfirmSeen(ctx, h, Seen{}) }
+
+// ConfirmSeen is Confirm that makes its guarded write on the Lease seen
+// (Acquire's, when h already held the lock) without reading it again: the
+// write carries the resourceVersion seen, so it succeeds only if nobody
+// wrote the Lease since, exactly as when it is read first. When somebody
+// did, it reads the Lease again and confirms from that.
+func (l *Lock) ConfirmSeen(ctx context.Context, h Holder, seen Seen) error {
+	if seen.lease != nil {
+		if st, err := stateOf(seen.lease); err == nil && st.Holds(h) {
+			if err := l.write(ctx, seen.lease, func(*coordinationv1.Lease) {}); !errors.Is(err, ErrConflict) {
+				return err
+			}
+		}
+	}
 	return l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
 		if !st.Holds(h) {
 			return false, &NotHeldError{Holder: st.Holder.Identity}

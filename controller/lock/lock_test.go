@@ -257,50 +257,99 @@ func (f judgeFunc) Stale(ctx context.Context, h lock.Holder) (lock.Verdict, erro
 
 // TestConfirmBeatsAStaleJudgement: B judges the failed holder A stale from
 // what it read; before B writes, A is retried and, before its next step,
-// confirms that it holds the lock. Exactly one of them may believe it
-// holds the lock, whichever order the two writes take.
+// confirms that it holds the lock, reading the Lease again or writing the
+// one its Acquire saw before B read it (ConfirmSeen). Exactly one of them
+// may believe it holds the lock, whichever order the two writes take.
 func TestConfirmBeatsAStaleJudgement(t *testing.T) {
 	ctx := context.Background()
-	for _, bFirst := range []bool{false, true} {
-		t.Run(fmt.Sprintf("takeover written first: %v", bFirst), func(t *testing.T) {
-			w := newWorld(t)
-			l := newLock(w.ns)
-			aOp := w.op("a", failed)
-			a, b := holds(aOp), holds(w.op("b", running))
-			mustAcquire(t, l, a)
-			var aErr error
-			retryA := func() {
-				w.setStatus(aOp, running)
-				aErr = l.Confirm(ctx, a)
-			}
-			lb := *l
-			lb.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
-				v, err := l.Judge.Stale(ctx, h)
-				if !bFirst {
+	confirms := map[string]func(*lock.Lock, lock.Holder, lock.Result) error{
+		"Confirm": func(l *lock.Lock, h lock.Holder, _ lock.Result) error { return l.Confirm(ctx, h) },
+		"ConfirmSeen": func(l *lock.Lock, h lock.Holder, acquired lock.Result) error {
+			return l.ConfirmSeen(ctx, h, acquired.Seen)
+		},
+	}
+	for name, confirm := range confirms {
+		for _, bFirst := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/takeover written first: %v", name, bFirst), func(t *testing.T) {
+				w := newWorld(t)
+				l := newLock(w.ns)
+				aOp := w.op("a", failed)
+				a, b := holds(aOp), holds(w.op("b", running))
+				mustAcquire(t, l, a)
+				seen := mustAcquire(t, l, a) // held already: what ConfirmSeen writes
+				var aErr error
+				retryA := func() {
+					w.setStatus(aOp, running)
+					aErr = confirm(l, a, seen)
+				}
+				lb := *l
+				lb.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
+					v, err := l.Judge.Stale(ctx, h)
+					if !bFirst {
+						retryA()
+					}
+					return v, err
+				})
+				res, bErr := lb.Acquire(ctx, lock.Request{Holder: b})
+				if bFirst {
 					retryA()
 				}
-				return v, err
+				aHolds, bHolds := aErr == nil, bErr == nil && res.Acquired
+				if aHolds == bHolds {
+					t.Fatalf("a holds: %v (%v); b holds: %v (%+v %v): exactly one may", aHolds, aErr, bHolds, res, bErr)
+				}
+				if bFirst != bHolds {
+					t.Errorf("the first write should win: b holds %v", bHolds)
+				}
+				if st, _ := l.Get(ctx); (st.Holder == b) != bHolds {
+					t.Errorf("Lease holder %s; b believes it holds: %v", st.Holder, bHolds)
+				}
 			})
-			res, bErr := lb.Acquire(ctx, lock.Request{Holder: b})
-			if bFirst {
-				retryA()
-			}
-			aHolds, bHolds := aErr == nil, bErr == nil && res.Acquired
-			if aHolds == bHolds {
-				t.Fatalf("a holds: %v (%v); b holds: %v (%+v %v): exactly one may", aHolds, aErr, bHolds, res, bErr)
-			}
-			if bFirst != bHolds {
-				t.Errorf("the first write should win: b holds %v", bHolds)
-			}
-			if st, _ := l.Get(ctx); (st.Holder == b) != bHolds {
-				t.Errorf("Lease holder %s; b believes it holds: %v", st.Holder, bHolds)
-			}
-		})
+		}
 	}
 }
 
-// TestAdoptOldLease: a Lease written before holders' UIDs were recorded is
-// adopted by the holder of its identity, and only by it.
+// countingReader counts the reads of the Lease that go to the API server.
+type countingReader struct {
+	client.Reader
+	reads int
+}
+
+func (r *countingReader) Get(ctx context.Context, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+	r.reads++
+	return r.Reader.Get(ctx, key, obj, opts...)
+}
+
+// TestConfirmSeenWritesWithoutReading: confirming on the Lease that
+// Acquire saw reads nothing when nobody wrote it since, and reads it again
+// when somebody did (a renewal by another replica of the same holder), and
+// still confirms.
+func TestConfirmSeenWritesWithoutReading(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	live := &countingReader{Reader: env.Client}
+	l := newLock(w.ns)
+	l.Live = live
+	a := holds(w.op("a", running))
+	mustAcquire(t, l, a)
+	seen := mustAcquire(t, l, a)
+	before := live.reads
+	if err := l.ConfirmSeen(ctx, a, seen.Seen); err != nil {
+		t.Fatalf("ConfirmSeen on an unchanged Lease: %v", err)
+	}
+	if n := live.reads - before; n != 0 {
+		t.Errorf("ConfirmSeen on an unchanged Lease read it %d time(s), want none", n)
+	}
+	// The write just made changed the Lease under seen.
+	before = live.reads
+	if err := l.ConfirmSeen(ctx, a, seen.Seen); err != nil {
+		t.Fatalf("ConfirmSeen on a Lease written since: %v", err)
+	}
+	if n := live.reads - before; n != 1 {
+		t.Errorf("ConfirmSeen on a Lease written since read it %d time(s), want 1", n)
+	}
+}
+
 func TestAdoptOldLease(t *testing.T) {
 	ctx := context.Background()
 	w := newWorld(t)

@@ -212,9 +212,11 @@ func (t *turn) countCalls() {
 
 // launch starts the Run steps that persisted status (as read, or as this
 // turn wrote it) records as in progress and that are not running or done
-// already. A step it cannot start is reported (a log line and a Warning
-// Event), never silently dropped, and again says to look again soon.
-func (t *turn) launch(ctx context.Context) (again bool, err error) {
+// already, once check (or, without one, its own Confirm) says that the
+// cluster lock is still this operation's. A step it cannot start is
+// reported (a log line and a Warning Event), never silently dropped, and
+// again says to look again soon.
+func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err error) {
 	if !t.canLaunch {
 		return false, nil
 	}
@@ -233,19 +235,15 @@ func (t *turn) launch(ctx context.Context) (again bool, err error) {
 			t.notStarted(m, fmt.Errorf("it is not a step of the %s kind in this controller's version", op.Spec.Kind))
 			continue
 		}
-		if step.Run == nil {
+		if !t.startable(m, step) {
 			continue
-		}
-		k := t.key(m.Name)
-		if t.r.runner.busy(k, m.Step, m.Attempts) {
-			continue
-		}
-		if step.Irreversible && (m.Calls == 0 || t.r.runner.counted(stepKey{k, m.Step, m.Attempts}) != m.Calls) {
-			continue // its run is not counted in persisted status yet: the next turn counts it
 		}
 		if !confirmed {
 			// The cache this turn read may be behind a takeover.
-			if err := t.r.Lock.Confirm(ctx, t.holder()); err != nil {
+			if check == nil {
+				check = t.checkLock(ctx)
+			}
+			if err := check.wait(); err != nil {
 				return again, fmt.Errorf("not starting %s on %s: %w", m.Step, m.Name, err)
 			}
 			confirmed = true
@@ -256,12 +254,69 @@ func (t *turn) launch(ctx context.Context) (again bool, err error) {
 		}
 		env := t.env(m)
 		env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-		if err := t.r.runner.launch(op, k, step, m.Attempts, timeout, env, t.talos.Another()); err != nil {
+		if err := t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, timeout, env, t.talos.Another()); err != nil {
 			t.notStarted(m, err)
 			again = true
 		}
 	}
 	return again, nil
+}
+
+// startable says whether launch starts the machine's step (in progress,
+// not stopped): a Run step that is not running, and, when irreversible,
+// whose run persisted status counts (countCalls).
+func (t *turn) startable(m ichorv1.MachineStatus, step executor.Step) bool {
+	k := t.key(m.Name)
+	if step.Run == nil || t.r.runner.busy(k, m.Step, m.Attempts) {
+		return false
+	}
+	return !step.Irreversible || m.Calls > 0 && t.r.runner.counted(stepKey{k, m.Step, m.Attempts}) == m.Calls
+}
+
+// lockCheck is a Confirm of the cluster lock under way.
+type lockCheck struct {
+	done chan struct{}
+	err  error
+}
+
+// checkLock starts a Confirm of the cluster lock: a guarded write of the
+// Lease as acquire saw it.
+func (t *turn) checkLock(ctx context.Context) *lockCheck {
+	c := &lockCheck{done: make(chan struct{})}
+	h, seen := t.holder(), t.lockSeen
+	go func() {
+		defer close(c.done)
+		c.err = t.r.Lock.ConfirmSeen(ctx, h, seen)
+	}()
+	return c
+}
+
+// wait returns the Confirm's answer once it has come.
+func (c *lockCheck) wait() error {
+	if c == nil {
+		return nil
+	}
+	<-c.done
+	return c.err
+}
+
+// checkLockBeside starts the Confirm that launch needs when the status
+// about to be written starts a step, so that it runs beside the status
+// write rather than after it: the two are independent, and a step starts
+// only once both have answered. Nil when no step will start.
+func (t *turn) checkLockBeside(ctx context.Context) *lockCheck {
+	if !t.canLaunch {
+		return nil
+	}
+	for _, m := range t.op.Status.Machines {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
+			continue
+		}
+		if step, ok := findStep(t.exec.Steps(t.op, &m), m.Step); ok && t.startable(m, step) {
+			return t.checkLock(ctx)
+		}
+	}
+	return nil
 }
 
 // notStarted reports a step that persisted status records as in progress

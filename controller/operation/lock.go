@@ -42,6 +42,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 		}
 	}
 	status.Lock, status.LockHolder = ichorv1.LockHeld, ""
+	t.lockSeen = res.Seen
 	return true, nil
 }
 

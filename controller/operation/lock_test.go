@@ -3,9 +3,11 @@ package operation_test
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,9 +16,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"google.golang.org/grpc/codes"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/internal/testenv"
@@ -372,4 +376,87 @@ func TestTakeoverWaitsForStepsInFlight(t *testing.T) {
 			t.Errorf("%s: %d upgrades, unschedulable %v; want 1, schedulable", w(i), n, node.Spec.Unschedulable)
 		}
 	}
+}
+
+// takenOver is a Judge that finds every holder stale: a taker acting on
+// what it read while the holder went on.
+type takenOver struct{}
+
+func (takenOver) Stale(context.Context, lock.Holder) (lock.Verdict, error) {
+	return lock.Verdict{Stale: true, Why: "judged stale by the test"}, nil
+}
+
+// leaseWriteHook runs once, before the first write of the cluster lock's
+// Lease that goes through the transport once when says so: the write
+// then conflicts with what it runs.
+type leaseWriteHook struct {
+	rt   http.RoundTripper
+	when func() bool
+	run  *atomic.Pointer[func()]
+}
+
+func (h leaseWriteHook) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) && h.when() {
+		if f := h.run.Swap(nil); f != nil {
+			(*f)()
+		}
+	}
+	return h.rt.RoundTrip(req)
+}
+
+// TestTakeoverBetweenAcquireAndLaunch: another taker takes the lock over
+// after the turn read the Lease and found it still its own, before the
+// turn's Confirm writes it. The turn has moved the machine on in status,
+// but its Confirm (a write guarded by the Lease it read) finds the lock
+// gone, and the next step never starts; the operation waits for the new
+// holder, and goes on once that holder is gone.
+func TestTakeoverBetweenAcquireAndLaunch(t *testing.T) {
+	ctx := context.Background()
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w1 := c.fleet.Machines()[1].Name()
+	release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "ImageService/Pull"})
+	pulled := func() bool { return len(c.fleet.Recorder().Handled(w1, "Pull")) > 0 }
+	var takeover atomic.Pointer[func()]
+	ctl := c.start(func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
+			return leaseWriteHook{rt: rt, when: pulled, run: &takeover}
+		}
+	})
+	a := talosSpec("v1.13.7")
+	a.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w1}}
+	c.create("a-upgrade", a)
+	c.waitFor("a-upgrade", "to pull on "+w1, time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == executor.StepPull
+	})
+	// b: an operation an operator paused before it started, which keeps
+	// the lock it is given.
+	bSpec := talosSpec("v1.13.7")
+	bSpec.Paused = true
+	c.create("b-upgrade", bSpec)
+	b := lock.ForOperation(c.get("b-upgrade"), ichorv1.OperationIdentity(c.ns, "b-upgrade"))
+	take := func() {
+		taker := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: takenOver{}}
+		if res, err := taker.Acquire(ctx, lock.Request{Holder: b}); err != nil || !res.Acquired {
+			t.Errorf("taking the lock over: %+v %v", res, err)
+		}
+	}
+	takeover.Store(&take)
+	release()
+	c.waitFor("a-upgrade", "to wait for b-upgrade", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Lock == ichorv1.LockWaiting && op.Status.LockHolder == b.Identity
+	})
+	if takeover.Load() != nil {
+		t.Fatal("the controller did not confirm the lock before the step after the pull")
+	}
+	if n := ctl.steps.count(w1 + "/" + executor.StepCordon); n != 0 {
+		t.Errorf("%s started on %s %d time(s) after the lock was taken over", executor.StepCordon, w1, n)
+	}
+	if c.node(w1).Spec.Unschedulable {
+		t.Errorf("%s was cordoned after the lock was taken over", w1)
+	}
+	if err := env.Client.Delete(ctx, c.get("b-upgrade")); err != nil {
+		t.Fatal(err)
+	}
+	c.waitSucceeded("a-upgrade", time.Minute)
 }

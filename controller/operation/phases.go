@@ -425,7 +425,7 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 		if err := t.write(ctx); err != nil {
 			return ctrl.Result{}, client.IgnoreNotFound(err)
 		}
-		again, err := t.launch(ctx)
+		again, err := t.launch(ctx, nil)
 		if err != nil {
 			return ctrl.Result{}, err
 		}
@@ -479,7 +479,7 @@ func (t *turn) reconcileCancel(ctx context.Context) (ctrl.Result, error) {
 	if err := t.write(ctx); err != nil {
 		return ctrl.Result{}, err
 	}
-	again, err := t.launch(ctx)
+	again, err := t.launch(ctx, nil)
 	if again {
 		result = lookAgainSoon(result)
 	}

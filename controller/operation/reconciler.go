@@ -124,7 +124,10 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	t.countCalls()
 	deriveStatus(t.op, t.now, t.why)
 	t.announce()
-	if werr := t.write(ctx); werr != nil {
+	check := t.checkLockBeside(ctx)
+	werr := t.write(ctx)
+	_ = check.wait() // it ends with the turn; launch reads its answer
+	if werr != nil {
 		return ctrl.Result{}, werr
 	}
 	if err != nil {
@@ -134,7 +137,7 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 		// Let the next operation in at once, not a watch round trip later.
 		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRequests(ctx))
 	}
-	again, err := t.launch(ctx)
+	again, err := t.launch(ctx, check)
 	if err != nil {
 		return ctrl.Result{}, errors.Join(err, t.removeRequests(ctx))
 	}

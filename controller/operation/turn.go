@@ -15,6 +15,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/plan"
 	"maesh.dev/ichor/controller/preflight"
@@ -61,6 +62,9 @@ type turn struct {
 	// canLaunch says the steps that persisted status records as in progress
 	// may start once status is written.
 	canLaunch bool
+	// lockSeen is the Lease as acquire read it, holding the lock: launch's
+	// Confirm writes it without reading it again.
+	lockSeen lock.Seen
 	// events are emitted once status is written.
 	events []func()
 }
