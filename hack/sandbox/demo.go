@@ -17,7 +17,6 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/internal/version"
 	"maesh.dev/ichor/sim"
 )
 
@@ -173,8 +172,8 @@ func (d *demo) cluster(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if !strings.Contains(out, "Client Version: ") || !strings.Contains(out, "Controller Version: "+version.Version+"\n") {
-		return fmt.Errorf("kubectl ichor version should print the plugin's version and the controller's (%s), printed:\n%s", version.Version, out)
+	if !strings.Contains(out, "Client Version: ") || !strings.Contains(out, "Controller Version: "+d.sb.Version+"\n") {
+		return fmt.Errorf("kubectl ichor version should print the plugin's version and the controller's (%s), printed:\n%s", d.sb.Version, out)
 	}
 	return nil
 }

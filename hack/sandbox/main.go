@@ -2,8 +2,9 @@
 // kube-apiserver, etcd, kube-controller-manager and kube-scheduler (the
 // binaries `make envtest-assets` builds), Ichor's manifests applied with the
 // real kubectl, a fleet of simulated Talos machines that play the kubelets,
-// the workloads of workloads.yaml, and ichor-controller running in this
-// process as its ServiceAccount. It writes a kubeconfig and a talosconfig under
+// the workloads of workloads.yaml, and ichor-controller as its Deployment's
+// pods, which the machines run as processes of bin/ichor-controller (as
+// they run the Jobs the controller starts). It writes a kubeconfig and a talosconfig under
 // .ichor-sandbox/ and stays up until Ctrl-C, which stops everything and
 // removes those files. Everything listens on loopback only.
 //
@@ -26,10 +27,13 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/internal/repo"
+	"maesh.dev/ichor/manifests"
 	"maesh.dev/ichor/sim"
 )
 
@@ -71,6 +75,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.Pace, "pace", time.Second, "length of the shortest simulated step; a reboot takes 3 times as long, an install 2")
 	fs.StringVar(&o.Dir, "dir", filepath.Join(root, ".ichor-sandbox"), "directory for the kubeconfig, talosconfig, env file and logs (removed on exit)")
 	fs.StringVar(&o.Kubectl, "kubectl", defaultKubectl(), "the kubectl to run ($KUBECTL)")
+	fs.StringVar(&o.Controller, "controller", filepath.Join(root, "bin", "ichor-controller"), "the ichor-controller binary the controller's pods run (make build)")
+	fs.Var(imageValue{&o.Images}, "image", "IMAGE=BINARY: the machines run pods of IMAGE as BINARY, like a second build to upgrade to (repeatable)")
 	fs.BoolVar(&o.Demo, "demo", false, "run the scripted walk-through, check every step, then stop")
 	fs.StringVar(&o.demo.Target, "to", "v1.13.7", "with --demo: the Talos version the demo upgrades to")
 	fs.StringVar(&o.demo.PluginDir, "plugin-dir", filepath.Join(root, "bin"), "with --demo: the directory holding kubectl-ichor (make build)")
@@ -91,8 +97,29 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 }
 
 const usageIntro = `Runs Ichor on this machine: a real kube-apiserver, etcd, kube-controller-manager and
-kube-scheduler, Ichor's manifests, simulated Talos machines (with workloads) and
-ichor-controller, all on loopback, until Ctrl-C.`
+kube-scheduler, Ichor's manifests, simulated Talos machines (with workloads) that run
+ichor-controller's pods, all on loopback, until Ctrl-C.`
+
+// imageValue is --image IMAGE=BINARY, repeatable.
+type imageValue struct{ m *map[string]string }
+
+func (v imageValue) String() string { return "" }
+
+func (v imageValue) Set(s string) error {
+	image, bin, ok := strings.Cut(s, "=")
+	if !ok || image == "" || bin == "" {
+		return fmt.Errorf("%q: write IMAGE=BINARY, like ghcr.io/maesh-dev/ichor-controller:v0.2.0=/tmp/v0.2.0/ichor-controller", s)
+	}
+	abs, err := filepath.Abs(bin)
+	if err != nil {
+		return err
+	}
+	if *v.m == nil {
+		*v.m = map[string]string{}
+	}
+	(*v.m)[image] = abs
+	return nil
+}
 
 func defaultKubectl() string {
 	if k := os.Getenv("KUBECTL"); k != "" {
@@ -133,7 +160,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 	if o.Demo {
 		if err := runDemo(ctx, sb, o.demo, stdout); err != nil {
-			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n(the sandbox's logs were in %s and %s; they are removed with it)\n", err, fileController, fileSim)
+			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n(the sandbox's logs were in %s and %s; they are removed with it)\n", err, relative(sb.Path(dirPods)), relative(sb.Path(fileSim)))
 			return 1
 		}
 		fmt.Fprintln(stdout, "\nThe demo ran as described: every step was checked.")
@@ -159,8 +186,10 @@ The Ichor sandbox is up (ready). Everything listens on loopback and stays up unt
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
   Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
                  DaemonSet node-agent, pod debug: %s
-  Controller     ichor-controller, running here as its ServiceAccount; log in %s
-`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)), relative(sb.Path(fileController)))
+  Controller     Deployment %s/%s (image %s): its pods run on the workers
+                 as %s, the leader and a standby; their logs in %s
+`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)),
+		ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
 	if err := printWalkThrough(w, sb); err != nil {
 		return err
 	}

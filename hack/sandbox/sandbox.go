@@ -15,7 +15,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/go-logr/logr"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -31,8 +30,10 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/internal/controlplane"
-	"maesh.dev/ichor/internal/version"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/manifests"
 	"maesh.dev/ichor/sim"
 )
 
@@ -43,16 +44,19 @@ const (
 	fileTalosconfig = "talosconfig"
 	fileEnv         = "env"
 	fileState       = "sandbox.json"
-	fileController  = "controller.log"
 	fileSim         = "sim.log"
 	fileKCM         = "kube-controller-manager.log"
 	fileScheduler   = "kube-scheduler.log"
 	fileWorkloads   = "workloads.yaml"
-	// fileKustomization installs manifests/ without the controller's pods.
+	// fileKustomization installs manifests/ with the controller image the
+	// machines run as bin/ichor-controller.
 	fileKustomization = "kustomization.yaml"
+	// dirPods holds the files of the pods the machines run as processes
+	// (the controller's among them): kubeconfig, token and output.
+	dirPods = "pods"
 )
 
-var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileController, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization}
+var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization}
 
 // The sandbox's kubelets heartbeat as Talos's do (a 40s Node Lease), and
 // the node-lifecycle controller waits Kubernetes' default 50s before it
@@ -65,11 +69,6 @@ const (
 //go:embed workloads.yaml
 var workloads string
 
-// controllerUser is the controller's ServiceAccount as the API server
-// names it: the sandbox runs the controller as that user, so the RBAC of
-// manifests/ is what it is allowed.
-const controllerUser = "system:serviceaccount:" + ichorv1.DefaultNamespace + ":ichor-controller"
-
 // config is what the flags set.
 type config struct {
 	// Root is the repository root (manifests/ and bin/ are under it).
@@ -81,6 +80,12 @@ type config struct {
 	Assets string
 	// Kubectl is the real kubectl that applies the manifests (and runs the demo).
 	Kubectl string
+	// Controller is the ichor-controller binary the controller's pods (and
+	// the Jobs it starts) run: bin/ichor-controller of make build.
+	Controller string
+	// Images maps more images to binaries the machines run them as, like
+	// a second build of ichor-controller to upgrade to (--image).
+	Images map[string]string
 
 	Name                   string
 	ControlPlanes, Workers int
@@ -97,11 +102,19 @@ func (c config) validate() error {
 	if c.ControlPlanes < 1 {
 		errs = append(errs, fmt.Errorf("--control-planes %d: a cluster needs at least one control plane", c.ControlPlanes))
 	}
-	if c.Workers < 0 {
-		errs = append(errs, fmt.Errorf("--workers %d: use 0 or more", c.Workers))
+	if c.Workers < 1 {
+		errs = append(errs, fmt.Errorf("--workers %d: use 1 or more (the controller's pods run on workers; control planes are tainted NoSchedule)", c.Workers))
 	}
 	if c.Pace <= 0 {
 		errs = append(errs, fmt.Errorf("--pace %s: use a positive duration, like 1s", c.Pace))
+	}
+	if !isExecutable(c.Controller) {
+		errs = append(errs, fmt.Errorf("no ichor-controller at %s: run `make build` (make sandbox does), or point --controller at one", c.Controller))
+	}
+	for image, bin := range c.Images {
+		if !isExecutable(bin) {
+			errs = append(errs, fmt.Errorf("--image %s=%s: not an executable file", image, bin))
+		}
 	}
 	if c.Assets == "" {
 		errs = append(errs, errors.New("KUBEBUILDER_ASSETS is not set: run `make sandbox`, or `KUBEBUILDER_ASSETS=$(make -s envtest-assets) go run ./hack/sandbox`"))
@@ -131,8 +144,10 @@ func durations(pace time.Duration) sim.Durations {
 	}
 }
 
-// fleetSpec is the simulated cluster the flags describe.
-func (c config) fleetSpec(logf func(string, ...any)) sim.Spec {
+// fleetSpec is the simulated cluster the flags describe, its kubelets
+// running pods of image (the controller's) as the controller binary, and
+// those of --image as theirs, with their files under dir.
+func (c config) fleetSpec(image, dir string, logf func(string, ...any)) sim.Spec {
 	spec := sim.Cluster(c.Name, c.ControlPlanes, c.Workers)
 	for i := range spec.Machines {
 		spec.Machines[i].Talos = c.Talos
@@ -141,11 +156,12 @@ func (c config) fleetSpec(logf func(string, ...any)) sim.Spec {
 	spec.Durations = durations(c.Pace)
 	spec.Logf = logf
 	spec.Kubelet.NodeLease = nodeLease
-	// Pods of Ichor's image (the installer and Helm Jobs) run the binary
-	// make build made.
-	if bin := filepath.Join(c.Root, "bin", "ichor-controller"); isExecutable(bin) {
-		spec.Kubelet.Binaries = map[string]string{"ghcr.io/maesh-dev/ichor-controller:*": bin}
+	spec.Kubelet.Binaries = map[string]string{image: c.Controller}
+	for img, bin := range c.Images {
+		spec.Kubelet.Binaries[img] = bin
 	}
+	spec.Kubelet.Env = testcluster.ProcessEnv()
+	spec.Kubelet.Dir = dir
 	return spec
 }
 
@@ -165,12 +181,14 @@ type Sandbox struct {
 	// ControllerManager and Scheduler are the real kube-controller-manager
 	// and kube-scheduler.
 	ControllerManager, Scheduler *controlplane.Process
+	// Version is the controller binary's version, and Image the image its
+	// Deployment runs: the release image at that version.
+	Version, Image string
 
-	stopController context.CancelFunc
-	controllerDone chan error
-	logs           []*os.File
-	wrote          []string
-	stopOnce       sync.Once
+	simLog   *os.File
+	logs     []*os.File
+	wrote    []string
+	stopOnce sync.Once
 }
 
 // state is sandbox.json: where things listen, for scripts and for a second
@@ -200,6 +218,12 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 			s.Stop()
 		}
 	}()
+	if err := s.openLog(); err != nil {
+		return nil, err
+	}
+	if err := s.controllerImage(ctx); err != nil {
+		return nil, err
+	}
 	if err := s.startAPIServer(); err != nil {
 		return nil, err
 	}
@@ -215,7 +239,7 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 	if err := s.startWorkloads(ctx); err != nil {
 		return nil, err
 	}
-	if err := s.startController(ctx); err != nil {
+	if err := s.waitController(ctx); err != nil {
 		return nil, err
 	}
 	return s, s.writeState()
@@ -233,6 +257,7 @@ func (s *Sandbox) claimDir() error {
 	for _, f := range sandboxFiles {
 		_ = os.Remove(s.Path(f))
 	}
+	_ = os.RemoveAll(s.Path(dirPods))
 	if err := os.MkdirAll(s.cfg.Dir, 0o700); err != nil {
 		return fmt.Errorf("sandbox directory: %w", err)
 	}
@@ -270,6 +295,20 @@ func (s *Sandbox) createLog(name string) (*os.File, error) {
 	s.remember(name)
 	s.logs = append(s.logs, f)
 	return f, nil
+}
+
+// openLog creates sim.log, where the machines log what happens to them and
+// where the clients of this process (envtest's, the fleet's) log too.
+func (s *Sandbox) openLog() error {
+	f, err := s.createLog(fileSim)
+	if err != nil {
+		return err
+	}
+	s.simLog = f
+	log := zap.New(zap.WriteTo(f), zap.UseDevMode(true))
+	ctrl.SetLogger(log)
+	klog.SetLogger(log)
+	return nil
 }
 
 // startAPIServer starts etcd and kube-apiserver (both on loopback: envtest
@@ -320,22 +359,33 @@ func renameContext(data []byte, name string) ([]byte, error) {
 	return clientcmd.Write(*kc)
 }
 
+// controllerImage reads the controller binary's version: its Deployment
+// runs the release image of that version, which the machines run as the
+// binary.
+func (s *Sandbox) controllerImage(ctx context.Context) error {
+	out, err := exec.CommandContext(ctx, s.cfg.Controller, "version").Output()
+	if err != nil {
+		return fmt.Errorf("%s version: %w", s.cfg.Controller, err)
+	}
+	s.Version = strings.TrimSpace(string(out))
+	s.Image = executor.ReleaseImage + ":" + s.Version
+	return nil
+}
+
 // install applies manifests/ with the real kubectl, as an admin installs
-// Ichor into a cluster, and waits until the CRD is served. The Deployment
-// gets no replicas: ichor-controller runs in this process in its place
-// (its pods would run bin/ichor-controller, a second and third controller
-// of a version of their own), through a kustomization in the sandbox's
-// directory over manifests/.
+// Ichor into a cluster, and waits until the CRD is served. A kustomization
+// in the sandbox's directory over manifests/ sets the controller's image
+// to the one the machines run as the controller binary.
 func (s *Sandbox) install(ctx context.Context) error {
 	dir, err := filepath.Abs(s.cfg.Dir)
 	if err != nil {
 		return fmt.Errorf("install Ichor: %w", err)
 	}
-	manifests, err := filepath.Rel(dir, filepath.Join(s.cfg.Root, "manifests"))
+	base, err := filepath.Rel(dir, filepath.Join(s.cfg.Root, "manifests"))
 	if err != nil {
 		return fmt.Errorf("install Ichor: %w", err)
 	}
-	kustomization := fmt.Sprintf("resources:\n  - %s\nreplicas:\n  - name: ichor-controller\n    count: 0\n", manifests)
+	kustomization := fmt.Sprintf("resources:\n  - %s\nimages:\n  - name: %s\n    newTag: %s\n", base, executor.ReleaseImage, s.Version)
 	if err := s.write(fileKustomization, []byte(kustomization), 0o600); err != nil {
 		return err
 	}
@@ -415,10 +465,7 @@ func (s *Sandbox) startWorkloads(ctx context.Context) error {
 // server), writes their talosconfig and gives it to the controller the way
 // the README tells an admin to: kubectl create secret.
 func (s *Sandbox) startFleet(ctx context.Context) error {
-	logFile, err := s.createLog(fileSim)
-	if err != nil {
-		return err
-	}
+	logFile := s.simLog
 	var mu sync.Mutex
 	logf := func(format string, args ...any) {
 		mu.Lock()
@@ -429,7 +476,7 @@ func (s *Sandbox) startFleet(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	spec := s.cfg.fleetSpec(logf)
+	spec := s.cfg.fleetSpec(s.Image, s.Path(dirPods), logf)
 	spec.APIServer = s.Admin
 	if s.Fleet, err = sim.Start(ctx, spec, kube); err != nil {
 		return fmt.Errorf("start the simulated machines: %w", err)
@@ -446,64 +493,26 @@ func (s *Sandbox) startFleet(ctx context.Context) error {
 	return err
 }
 
-// startController runs ichor-controller in this process, as its
-// ServiceAccount, with leader election on (the leader Lease carries the
-// version `kubectl ichor version` prints), and waits until it leads.
-func (s *Sandbox) startController(ctx context.Context) error {
-	logFile, err := s.createLog(fileController)
-	if err != nil {
-		return err
+// waitController waits until the controller's Deployment has rolled out
+// (its pods run on the machines as the controller binary, each as the
+// Deployment's ServiceAccount) and one of them leads, its version on the
+// leader Lease.
+func (s *Sandbox) waitController(ctx context.Context) error {
+	logs := filepath.Join(relative(s.Path(dirPods)), ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*", manifests.Container+".log")
+	if _, err := s.kubectl(ctx, "rollout", "status", "--timeout=2m", "-n", ichorv1.DefaultNamespace, "deployment/"+manifests.Deployment); err != nil {
+		return fmt.Errorf("ichor-controller's pods did not become Ready: %w (their logs: %s)", err, logs)
 	}
-	log := zap.New(zap.WriteTo(logFile), zap.UseDevMode(true))
-	// client-go and controller-runtime log outside the manager too.
-	ctrl.SetLogger(log)
-	klog.SetLogger(log)
-
-	user, err := s.env.AddUser(envtest.User{Name: controllerUser,
-		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + ichorv1.DefaultNamespace}}, nil)
-	if err != nil {
-		return fmt.Errorf("controller user: %w", err)
-	}
-	cfg := user.Config()
-	cfg.QPS, cfg.Burst = 200, 400
-	mgr, err := app.New(cfg, app.Options{
-		Namespace:      ichorv1.DefaultNamespace,
-		MetricsAddr:    "0",
-		ProbeAddr:      "0",
-		LeaderElection: true,
-		Version:        version.Version,
-		Log:            log,
-	})
-	if err != nil {
-		return fmt.Errorf("start ichor-controller: %w", err)
-	}
-	runCtx, cancel := context.WithCancel(context.Background())
-	s.stopController, s.controllerDone = cancel, make(chan error, 1)
-	go func() { s.controllerDone <- mgr.Start(runCtx) }()
-	return s.waitLeader(ctx, log)
-}
-
-// waitLeader waits until the controller leads and has written its version
-// on the leader Lease.
-func (s *Sandbox) waitLeader(ctx context.Context, log logr.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	err := wait.PollUntilContextCancel(ctx, 50*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-		select {
-		case err := <-s.controllerDone:
-			s.controllerDone <- err
-			return false, fmt.Errorf("ichor-controller stopped: %v (see %s)", err, s.Path(fileController))
-		default:
-		}
 		var lease coordinationv1.Lease
 		if err := s.Client.Get(ctx, client.ObjectKey{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.LeaderLeaseName}, &lease); err != nil {
 			return false, client.IgnoreNotFound(err)
 		}
-		return lease.Annotations[ichorv1.VersionAnnotation] != "", nil
+		return lease.Annotations[ichorv1.VersionAnnotation] == s.Version, nil
 	})
 	if err != nil {
-		log.Error(err, "waiting for the controller to lead")
-		return fmt.Errorf("ichor-controller did not take the leader Lease: %w (see %s)", err, s.Path(fileController))
+		return fmt.Errorf("no ichor-controller %s took the leader Lease: %w (their logs: %s)", s.Version, err, logs)
 	}
 	return nil
 }
@@ -535,19 +544,12 @@ func shellQuote(s string) string {
 	return s
 }
 
-// Stop stops the controller, the fleet, kube-scheduler,
-// kube-controller-manager, kube-apiserver and etcd, in that order, and
-// removes the files the sandbox wrote. It is safe to call twice.
+// Stop stops the fleet (and with it the processes of its pods, the
+// controller's), kube-scheduler, kube-controller-manager, kube-apiserver and
+// etcd, in that order, and removes the files the sandbox wrote. It is safe
+// to call twice.
 func (s *Sandbox) Stop() {
 	s.stopOnce.Do(func() {
-		if s.stopController != nil {
-			s.stopController()
-			select {
-			case <-s.controllerDone:
-			case <-time.After(30 * time.Second):
-				fmt.Fprintln(os.Stderr, "sandbox: ichor-controller did not stop within 30s")
-			}
-		}
 		if s.Fleet != nil {
 			s.Fleet.Stop()
 		}
@@ -566,6 +568,9 @@ func (s *Sandbox) Stop() {
 		}
 		for _, name := range s.wrote {
 			_ = os.Remove(s.Path(name))
+		}
+		if s.Fleet != nil {
+			_ = os.RemoveAll(s.Path(dirPods))
 		}
 		_ = os.Remove(s.cfg.Dir) // only if empty: files of the user's stay
 	})

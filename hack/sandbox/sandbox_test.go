@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -32,7 +33,11 @@ func TestMain(m *testing.M) {
 		main()
 		return
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if bins.dir != "" {
+		_ = os.RemoveAll(bins.dir)
+	}
+	os.Exit(code)
 }
 
 func assets(t *testing.T) string {
@@ -44,17 +49,41 @@ func assets(t *testing.T) string {
 	return a
 }
 
-// buildPlugin builds kubectl-ichor with the version this test binary
-// carries, as `make build` gives both the same.
-func buildPlugin(t *testing.T) string {
+// bins are the binaries the tests built, once per test binary.
+var bins struct {
+	once sync.Once
+	dir  string
+	err  error
+}
+
+// buildBinaries builds kubectl-ichor and ichor-controller into one
+// directory (returned) with the version this test binary carries, as
+// `make build` builds both into bin/.
+func buildBinaries(t *testing.T) string {
 	t.Helper()
-	dir := t.TempDir()
-	cmd := exec.Command("go", "build", "-ldflags", "-X maesh.dev/ichor/internal/version.Version="+version.Version,
-		"-o", filepath.Join(dir, "kubectl-ichor"), "maesh.dev/ichor/plugin")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build kubectl-ichor: %v\n%s", err, out)
+	bins.once.Do(func() {
+		if bins.dir, bins.err = os.MkdirTemp("", "ichor-sandbox-test-bin-"); bins.err != nil {
+			return
+		}
+		for name, pkg := range map[string]string{"kubectl-ichor": "maesh.dev/ichor/plugin", "ichor-controller": "maesh.dev/ichor/controller"} {
+			if bins.err = buildBinary(filepath.Join(bins.dir, name), pkg, version.Version); bins.err != nil {
+				return
+			}
+		}
+	})
+	if bins.err != nil {
+		t.Fatal(bins.err)
 	}
-	return dir
+	return bins.dir
+}
+
+// buildBinary builds pkg into path, stamped with version.
+func buildBinary(path, pkg, v string) error {
+	cmd := exec.Command("go", "build", "-ldflags", "-X maesh.dev/ichor/internal/version.Version="+v, "-o", path, pkg)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build %s: %v\n%s", pkg, err, out)
+	}
+	return nil
 }
 
 // TestDemo runs the whole walk-through, as `make demo` does, at a faster
@@ -63,12 +92,12 @@ func buildPlugin(t *testing.T) string {
 // leaves nothing behind.
 func TestDemo(t *testing.T) {
 	assets(t)
-	plugins := buildPlugin(t)
+	plugins := buildBinaries(t)
 	dir := filepath.Join(t.TempDir(), "sandbox")
 	var out, errOut bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	code := run(ctx, []string{"--demo", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins}, &out, &errOut)
+	code := run(ctx, []string{"--demo", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins, "--controller", filepath.Join(plugins, "ichor-controller")}, &out, &errOut)
 	t.Log(out.String())
 	if code != 0 {
 		t.Fatalf("the demo exited with %d:\n%s", code, errOut.String())
@@ -95,6 +124,7 @@ func TestDemo(t *testing.T) {
 // on the same directory is refused while the first runs.
 func TestInterrupt(t *testing.T) {
 	assets(t)
+	bin := buildBinaries(t)
 	dir := filepath.Join(t.TempDir(), "sandbox")
 	// A file of the user's in the directory stays.
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -106,7 +136,7 @@ func TestInterrupt(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--control-planes", "1", "--workers", "1", "--pace", "100ms")
+	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--controller", filepath.Join(bin, "ichor-controller"), "--control-planes", "1", "--workers", "1", "--pace", "100ms")
 	printed := waitReady(t, stdout, errOut)
 
 	st := readState(t, filepath.Join(dir, fileState))
@@ -137,11 +167,16 @@ func TestInterrupt(t *testing.T) {
 	if err != nil {
 		t.Errorf("the talosconfig Secret: %v\n%s", err, secret)
 	}
-	// The controller runs in the sandbox's process only: the Deployment's
-	// pods would run bin/ichor-controller beside it.
-	replicas, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "deployment", "-n", "ichor-system", "ichor-controller", "-o", "jsonpath={.spec.replicas}").CombinedOutput()
-	if err != nil || string(replicas) != "0" {
-		t.Errorf("the ichor-controller Deployment's replicas: %v %q; want 0", err, replicas)
+	// The controller runs as its Deployment's pods, one of which leads.
+	pods, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "pods", "-n", "ichor-system", "-l", "app.kubernetes.io/name=ichor-controller",
+		"-o", `jsonpath={range .items[*]}{.metadata.name} {.status.phase}{"\n"}{end}`).CombinedOutput()
+	if err != nil || strings.Count(string(pods), " Running\n") != 2 {
+		t.Errorf("the ichor-controller Deployment's pods: %v\n%s; want 2 Running", err, pods)
+	}
+	leader, err := exec.Command(kubectl, "--kubeconfig", filepath.Join(dir, fileKubeconfig), "get", "lease", "-n", "ichor-system", "ichor-controller-leader",
+		"-o", `jsonpath={.metadata.annotations.ichor\.maesh\.dev/version}`).CombinedOutput()
+	if err != nil || string(leader) != version.Version {
+		t.Errorf("the leader Lease names version %q (%v), want the controller binary's %s", leader, err, version.Version)
 	}
 	envFile, err := os.ReadFile(filepath.Join(dir, fileEnv))
 	if err != nil || !strings.Contains(string(envFile), "export KUBECONFIG="+filepath.Join(dir, fileKubeconfig)) {
@@ -275,7 +310,9 @@ func TestFlags(t *testing.T) {
 		want string
 	}{
 		{[]string{"--control-planes", "0"}, "at least one control plane"},
-		{[]string{"--workers", "-1"}, "use 0 or more"},
+		{[]string{"--workers", "0"}, "use 1 or more"},
+		{[]string{"--controller", filepath.Join(plugins, "ichor-controller")}, "no ichor-controller at " + filepath.Join(plugins, "ichor-controller") + ": run `make build`"},
+		{[]string{"--image", "ghcr.io/maesh-dev/ichor-controller:v0.2.0"}, "write IMAGE=BINARY"},
 		{[]string{"--pace", "0s"}, "positive duration"},
 		{[]string{"extra"}, "takes flags only"},
 		{[]string{"--demo", "--workers", "0", "--plugin-dir", plugins}, "at least 2 control planes"},
@@ -303,11 +340,11 @@ func TestFlags(t *testing.T) {
 // "exits 2", 2; then every operation it named has succeeded.
 func TestWalkThrough(t *testing.T) {
 	assets(t)
-	plugins := buildPlugin(t)
+	plugins := buildBinaries(t)
 	dir := filepath.Join(t.TempDir(), "sandbox")
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
-	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--control-planes", "1", "--workers", "2", "--pace", "200ms")
+	cmd, stdout, errOut := startSandbox(ctx, t, "--dir", dir, "--controller", filepath.Join(plugins, "ichor-controller"), "--control-planes", "1", "--workers", "2", "--pace", "200ms")
 	defer func() {
 		_ = cmd.Process.Signal(syscall.SIGINT)
 		_ = cmd.Wait()
