@@ -19,6 +19,7 @@ import (
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/cilium"
@@ -40,6 +41,7 @@ func main() {
 func newRoot() *cobra.Command {
 	o := app.Options{Version: version.Version}
 	zo := zap.Options{}
+	var chartDigest string
 	cmd := &cobra.Command{
 		Use:           "ichor-controller",
 		Short:         "Carries out TalosOperations on a Talos Linux cluster",
@@ -61,6 +63,11 @@ func newRoot() *cobra.Command {
 					return err
 				}
 			}
+			if chartDigest != "" {
+				if o.CiliumChart, err = chartWithDigest(chartDigest); err != nil {
+					return err
+				}
+			}
 			return app.Run(cmd.Context(), cfg, o)
 		},
 	}
@@ -74,6 +81,7 @@ func newRoot() *cobra.Command {
 	f.DurationVar(&o.StepTimeout, "step-timeout", 15*time.Minute, "time limit of steps that set none of their own")
 	f.StringVar(&o.Image, "image", "", "the controller's own image, which the cni kind's Job runs (default: read from the controller's pod, $POD_NAMESPACE/$POD_NAME)")
 	f.StringVar(&o.ChartDir, "chart-dir", "", "directory of the Cilium chart this image ships (default "+cilium.ChartDir+")")
+	f.StringVar(&chartDigest, "chart-digest", "", "sha256:<hex> of the chart archive in --chart-dir, when it is not the one this release pins (the sandbox's test chart); default the pin's")
 	gf := flag.NewFlagSet("zap", flag.ContinueOnError)
 	zo.BindFlags(gf)
 	f.AddGoFlagSet(gf)
@@ -85,6 +93,19 @@ func newRoot() *cobra.Command {
 		Run:   func(cmd *cobra.Command, _ []string) { fmt.Fprintln(cmd.OutOrStdout(), version.Version) },
 	})
 	return cmd
+}
+
+// chartWithDigest is the pinned Cilium chart's version at another archive's digest.
+func chartWithDigest(digest string) (*compat.ChartPin, error) {
+	table, err := compat.Default()
+	if err != nil {
+		return nil, err
+	}
+	pin, err := table.CiliumChart.WithDigest(digest)
+	if err != nil {
+		return nil, fmt.Errorf("--chart-digest: %w", err)
+	}
+	return &pin, nil
 }
 
 // envOr is the variable's value, or def when it is unset or empty.

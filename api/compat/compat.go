@@ -53,6 +53,14 @@ func (p ChartPin) URL() string {
 // Archive is the archive's file name, cilium-<version>.tgz.
 func (p ChartPin) Archive() string { return "cilium-" + p.Version + ".tgz" }
 
+// WithDigest is the pin of another archive at the same chart version (a
+// mirror's rebuild, the sandbox's test chart), its digest checked as the
+// table's are.
+func (p ChartPin) WithDigest(digest string) (ChartPin, error) {
+	p.Digest = digest
+	return p, p.validate()
+}
+
 func (p ChartPin) validate() error {
 	v, err := ParseVersion(p.Version)
 	if err != nil || !v.Final() || strings.HasPrefix(p.Version, "v") {

@@ -313,6 +313,20 @@ func TestDefaultCiliumChart(t *testing.T) {
 	}
 }
 
+// TestChartWithDigest: another archive's digest keeps the pin's version and
+// repository; one that is not sha256 is refused, saying what it must be.
+func TestChartWithDigest(t *testing.T) {
+	pin := defaultTable(t).CiliumChart
+	digest := "sha256:" + strings.Repeat("ab", 32)
+	got, err := pin.WithDigest(digest)
+	if err != nil || got.Digest != digest || got.Version != pin.Version || got.Repository != pin.Repository {
+		t.Errorf("WithDigest(%s) = %+v, %v", digest, got, err)
+	}
+	if _, err := pin.WithDigest("md5:abc"); err == nil || !strings.Contains(err.Error(), "is not sha256: and 64 lower-case hex digits") {
+		t.Errorf("WithDigest(md5:abc) = %v, want it refused", err)
+	}
+}
+
 func TestTableJSON(t *testing.T) {
 	tab := defaultTable(t)
 	data, err := json.Marshal(tab.Combinations[0])
