@@ -63,6 +63,7 @@ func newRoot() *cobra.Command {
 					return err
 				}
 			}
+			o.Pod = app.OwnPod()
 			if chartDigest != "" {
 				if o.CiliumChart, err = chartWithDigest(chartDigest); err != nil {
 					return err

@@ -81,6 +81,9 @@ type Options struct {
 	// tests and the sandbox point them at the test chart.
 	ChartDir    string
 	CiliumChart *compat.ChartPin
+	// Pod is the controller's own pod, "namespace/name" (main.go reads it
+	// as OwnPod does; empty outside a pod): a drain evicts it last.
+	Pod string
 }
 
 // Variables that set the listen addresses when the flags do not. The
@@ -137,7 +140,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
 	}
-	self := executor.Controller{Namespace: o.Namespace, Version: o.Version, Image: o.Image, ChartDir: orDefault(o.ChartDir, cilium.ChartDir), Chart: table.CiliumChart}
+	self := executor.Controller{Namespace: o.Namespace, Version: o.Version, Image: o.Image, ChartDir: orDefault(o.ChartDir, cilium.ChartDir), Chart: table.CiliumChart, Pod: o.Pod}
 	if o.CiliumChart != nil {
 		self.Chart = *o.CiliumChart
 	}

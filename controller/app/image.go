@@ -13,6 +13,16 @@ import (
 // ControllerContainer is the controller's container in its Deployment.
 const ControllerContainer = "controller"
 
+// OwnPod is the controller's own pod as "namespace/name", from
+// $POD_NAMESPACE and $POD_NAME (the downward API); empty outside a pod.
+func OwnPod() string {
+	ns, name := os.Getenv("POD_NAMESPACE"), os.Getenv("POD_NAME")
+	if ns == "" || name == "" {
+		return ""
+	}
+	return ns + "/" + name
+}
+
 // OwnImage reads the controller's image from its own pod ($POD_NAMESPACE and
 // $POD_NAME, from the downward API): the image kustomize's images: set, a
 // mirror's included, which the cni kind's Job then runs too. Outside a pod

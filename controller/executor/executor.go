@@ -134,6 +134,9 @@ type Controller struct {
 	// ChartDir is where the image keeps the Cilium chart, and Chart its pin.
 	ChartDir string
 	Chart    compat.ChartPin
+	// Pod is the controller's own pod, "namespace/name" (empty outside
+	// one): a drain of its machine evicts it last.
+	Pod string
 }
 
 // StepError is a failed step. The reconciler pauses the operation with

@@ -158,6 +158,22 @@ func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (t
 		OnPodDeletionOrEvictionStarted:  report.started,
 		OnPodDeletionOrEvictionFinished: report.finished,
 	}
+	if self := e.Controller.Pod; self != "" {
+		// The controller's own pod goes last: its eviction ends this
+		// process, which cancels the evictions still in flight, and one cut
+		// after its PodDisruptionBudget counted it holds the budget for 2
+		// minutes (the disruption controller's wait for the deletion).
+		others := *h
+		others.AdditionalFilters = []drain.PodFilter{func(p corev1.Pod) drain.PodDeleteStatus {
+			if podKey(&p) == self {
+				return drain.MakePodDeleteStatusSkip()
+			}
+			return drain.MakePodDeleteStatusOkay()
+		}}
+		if err = drain.RunNodeDrain(&others, e.Machine.Name); err != nil {
+			return dctx.Err() == context.DeadlineExceeded && ctx.Err() == nil, err
+		}
+	}
 	err = drain.RunNodeDrain(h, e.Machine.Name)
 	return err != nil && dctx.Err() == context.DeadlineExceeded && ctx.Err() == nil, err
 }
