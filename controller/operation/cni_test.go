@@ -39,6 +39,7 @@ import (
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/inventory"
 	"maesh.dev/ichor/controller/lock"
+	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/internal/testchart"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
@@ -395,19 +396,60 @@ func (f roundTripper) RoundTrip(req *http.Request) (*http.Response, error) { ret
 // budget. Then the way back brings kube-proxy back and Cilium without
 // replacement, without reboots.
 func TestSwitchKubeProxyReplacement(t *testing.T) {
-	spec := sim.Cluster("", 1, 3)
+	c := newKubeProxyCluster(t, sim.Cluster("", 1, 3))
+	ctx := context.Background()
+	c.start(c.withImage())
+	c.create("kpr", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, MaxUnavailable: 2, CNI: &ichorv1.CNIChange{KubeProxyReplacement: ptr.To(true)}})
+	c.waitSucceeded("kpr", 5*time.Minute)
+	c.checkKubeProxyReplaced(t)
+	rec := c.fleet.Recorder()
+	if cps, workers := rec.MaxDown(); cps > 1 || workers > 2 {
+		t.Errorf("at most %d control planes and %d workers were down at once; the budget is 1 and 2", cps, workers)
+	}
+
+	// The way back.
+	rec.Reset()
+	c.create("back", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, CNI: &ichorv1.CNIChange{KubeProxyReplacement: ptr.To(false)}})
+	c.waitSucceeded("back", 5*time.Minute)
+	cm := &corev1.ConfigMap{}
+	if err := env.Client.Get(ctx, keyOf(cilium.Namespace, cilium.ConfigMap), cm); err != nil || cm.Data["kube-proxy-replacement"] != "false" {
+		t.Errorf("after the way back cilium-config kube-proxy-replacement = %q (%v)", cm.Data["kube-proxy-replacement"], err)
+	}
+	ds := &appsv1.DaemonSet{}
+	if err := env.Client.Get(ctx, keyOf("kube-system", "kube-proxy"), ds); err != nil || ds.Status.NumberAvailable != 4 {
+		t.Errorf("kube-proxy after the way back: %d available (%v)", ds.Status.NumberAvailable, err)
+	}
+	for _, m := range c.fleet.Machines() {
+		if !proxyEnabled(t, c, m.Name()) {
+			t.Errorf("%s: cluster.proxy still disabled", m.Name())
+		}
+		if n := len(rec.Actions(m.Name())); n != 0 {
+			t.Errorf("%s: %d disruptions on the way back", m.Name(), n)
+		}
+	}
+}
+
+// newKubeProxyCluster is newCiliumCluster with kube-proxy, as Talos
+// applies it (its objects in the inventory).
+func newKubeProxyCluster(t *testing.T, spec sim.Spec) *ciliumCluster {
+	t.Helper()
 	spec.KubeProxy = true
 	c := newCiliumCluster(t, spec)
-	ctx := context.Background()
 	testenv.Eventually(t, time.Minute, "Talos to apply kube-proxy", func(ctx context.Context) (bool, error) {
 		tracked, err := inventory.Tracked(ctx, env.Client, inventory.KubeProxy...)
 		return len(tracked) == 3, err
 	})
 	t.Cleanup(func() { removeKubeProxy(t) })
-	c.start(c.withImage())
-	c.create("kpr", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, MaxUnavailable: 2, CNI: &ichorv1.CNIChange{KubeProxyReplacement: ptr.To(true)}})
-	c.waitSucceeded("kpr", 5*time.Minute)
+	return c
+}
 
+// checkKubeProxyReplaced checks the end of a switch to kube-proxy
+// replacement: Cilium replaces kube-proxy, kube-proxy's objects are gone
+// and out of Talos's inventory, cluster.proxy is disabled on every machine,
+// and each machine rebooted exactly once.
+func (c *ciliumCluster) checkKubeProxyReplaced(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
 	cm := &corev1.ConfigMap{}
 	if err := env.Client.Get(ctx, keyOf(cilium.Namespace, cilium.ConfigMap), cm); err != nil || cm.Data["kube-proxy-replacement"] != "true" {
 		t.Errorf("cilium-config kube-proxy-replacement = %q (%v)", cm.Data["kube-proxy-replacement"], err)
@@ -423,13 +465,12 @@ func TestSwitchKubeProxyReplacement(t *testing.T) {
 	if tracked, err := inventory.Tracked(ctx, env.Client, inventory.KubeProxy...); err != nil || len(tracked) > 0 {
 		t.Errorf("Talos's inventory still tracks %v (%v)", tracked, err)
 	}
-	rec := c.fleet.Recorder()
 	for _, m := range c.fleet.Machines() {
 		if proxyEnabled(t, c, m.Name()) {
 			t.Errorf("%s: cluster.proxy is not disabled", m.Name())
 		}
 		reboots := 0
-		for _, a := range rec.Actions(m.Name()) {
+		for _, a := range c.fleet.Recorder().Actions(m.Name()) {
 			if a.Kind == sim.ActionReboot {
 				reboots++
 			}
@@ -438,28 +479,70 @@ func TestSwitchKubeProxyReplacement(t *testing.T) {
 			t.Errorf("%s rebooted %d times, want once", m.Name(), reboots)
 		}
 	}
-	if cps, workers := rec.MaxDown(); cps > 1 || workers > 2 {
-		t.Errorf("at most %d control planes and %d workers were down at once; the budget is 1 and 2", cps, workers)
-	}
+}
 
-	// The way back.
-	rec.Reset()
-	c.create("back", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, CNI: &ichorv1.CNIChange{KubeProxyReplacement: ptr.To(false)}})
-	c.waitSucceeded("back", 5*time.Minute)
-	if err := env.Client.Get(ctx, keyOf(cilium.Namespace, cilium.ConfigMap), cm); err != nil || cm.Data["kube-proxy-replacement"] != "false" {
-		t.Errorf("after the way back cilium-config kube-proxy-replacement = %q (%v)", cm.Data["kube-proxy-replacement"], err)
-	}
-	ds := &appsv1.DaemonSet{}
-	if err := env.Client.Get(ctx, keyOf("kube-system", "kube-proxy"), ds); err != nil || ds.Status.NumberAvailable != 4 {
-		t.Errorf("kube-proxy after the way back: %d available (%v)", ds.Status.NumberAvailable, err)
-	}
-	for _, m := range c.fleet.Machines() {
-		if !proxyEnabled(t, c, m.Name()) {
-			t.Errorf("%s: cluster.proxy still disabled", m.Name())
+// The switch to kube-proxy replacement with the controller killed at each
+// of its steps, between the step's work and the status write that records
+// it: Cilium's Job with replacement on (after the lend), cluster.proxy
+// disabled on the machines, kube-proxy's objects removed, and a machine's
+// reboot in the rolling reboot. The next controller resumes where status
+// says, and the outcome is that of a switch nobody killed: one Cilium Job,
+// every machine rebooted exactly once, kube-proxy gone, the proxy disabled
+// everywhere, and the lock free.
+func TestSwitchKubeProxyKilledAtEveryStep(t *testing.T) {
+	afterStep := func(step string) func(kill func()) controllerOption {
+		return func(kill func()) controllerOption {
+			return func(o *app.Options, _ **rest.Config) {
+				o.TestHookAfterRun = func(s operation.StepRun) {
+					if s.Step == step && s.Err == nil {
+						kill()
+					}
+				}
+			}
 		}
-		if n := len(rec.Actions(m.Name())); n != 0 {
-			t.Errorf("%s: %d disruptions on the way back", m.Name(), n)
-		}
+	}
+	tests := []struct {
+		name string
+		// hook kills the first controller from inside its work: it calls kill.
+		hook func(kill func()) controllerOption
+		// step is where status stands once the killed controller is gone.
+		step string
+	}{
+		{name: "Cilium with replacement on: after lending the lock to the Job", hook: afterLend, step: executor.StepCiliumJob},
+		{name: "after disabling the proxy on every machine", hook: afterStep(executor.StepDisableKubeProxy), step: executor.StepDisableKubeProxy},
+		{name: "after removing kube-proxy's objects", hook: afterStep(executor.StepRemoveKubeProxy), step: executor.StepRemoveKubeProxy},
+		{name: "in the rolling reboot: after a reboot call", hook: afterStep(executor.StepReboot), step: executor.StepReboot},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := newKubeProxyCluster(t, sim.Cluster("", 1, 1))
+			holders := c.watchLockHolders()
+			var killed atomic.Bool
+			var first *controller
+			first = c.startKillableWith(c.withImage(), tt.hook(func() {
+				if killed.CompareAndSwap(false, true) {
+					first.Kill()
+				}
+			}))
+			c.create("kpr", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI, CNI: &ichorv1.CNIChange{KubeProxyReplacement: ptr.To(true)}})
+			testenv.Eventually(t, 3*time.Minute, "the controller to be killed", func(context.Context) (bool, error) {
+				return killed.Load(), nil
+			})
+			<-first.Exited()
+			if op := c.get("kpr"); !slices.ContainsFunc(op.Status.Machines, func(m ichorv1.MachineStatus) bool { return m.Step == tt.step }) {
+				t.Fatalf("the controller was killed elsewhere than at %s: %s", tt.step, boundary(op))
+			}
+			c.start(c.withImage())
+			op := c.waitSucceeded("kpr", 5*time.Minute)
+
+			c.checkKubeProxyReplaced(t)
+			if jobs := jobsOf(t, op); len(jobs) != 1 {
+				t.Errorf("the operation started %d Cilium Jobs, want 1", len(jobs))
+			}
+			if got := freeAgain(t, holders); got[len(got)-1] != "" {
+				t.Errorf("the cluster lock is held by %q after the switch", got[len(got)-1])
+			}
+		})
 	}
 }
 
