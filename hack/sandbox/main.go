@@ -140,7 +140,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "error:", err)
 		return 2
 	}
-	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver, etcd, kube-controller-manager and kube-scheduler, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, workloads, ichor-controller...\n",
+	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver, etcd, kube-controller-manager and kube-scheduler, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, Cilium, workloads, ichor-controller...\n",
 		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes)
 	sb, err := Start(ctx, o.config)
 	if ctx.Err() != nil {
@@ -186,10 +186,13 @@ The Ichor sandbox is up (ready). Everything listens on loopback and stays up unt
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
   Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
                  DaemonSet node-agent, pod debug: %s
+  CNI            Cilium %s, Helm release kube-system/cilium (Ichor's test chart, shaped like
+                 Cilium's), beside kube-proxy as Talos applies it; kubectl ichor upgrade cni
+                 moves it to the chart Ichor ships, %s (its Job runs bin/ichor-controller too)
   Controller     Deployment %s/%s (image %s): its pods run on the workers
                  as %s, the leader and a standby; their logs in %s
 `, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)),
-		ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
+		sb.userChart.Version, sb.shippedChart.Version, ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
 	if err := printWalkThrough(w, sb); err != nil {
 		return err
 	}

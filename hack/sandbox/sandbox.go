@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
 	"sigs.k8s.io/controller-runtime/pkg/log/zap"
 
+	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
@@ -54,7 +55,14 @@ const (
 	// dirPods holds the files of the pods the machines run as processes
 	// (the controller's among them): kubeconfig, token and output.
 	dirPods = "pods"
+	// dirCharts holds the Cilium charts (Ichor's test chart), as the
+	// controller image holds the one it ships.
+	dirCharts = "charts"
 )
+
+// sandboxDirs are the directories a sandbox makes in its directory, removed
+// with what they hold.
+var sandboxDirs = []string{dirPods, dirCharts}
 
 var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization}
 
@@ -161,6 +169,9 @@ func (c config) fleetSpec(image, dir string, logf func(string, ...any)) sim.Spec
 		spec.Kubelet.Binaries[img] = bin
 	}
 	spec.Kubelet.Env = testcluster.ProcessEnv()
+	// Talos applies kube-proxy, as it does by default; Cilium runs beside
+	// it until a switch to kube-proxy replacement.
+	spec.KubeProxy = true
 	spec.Kubelet.Dir = dir
 	return spec
 }
@@ -184,6 +195,9 @@ type Sandbox struct {
 	// Version is the controller binary's version, and Image the image its
 	// Deployment runs: the release image at that version.
 	Version, Image string
+	// userChart is the Cilium chart the user installed, shippedChart the
+	// one the controller moves it to (both Ichor's test chart).
+	userChart, shippedChart compat.ChartPin
 
 	simLog   *os.File
 	logs     []*os.File
@@ -224,6 +238,9 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 	if err := s.controllerImage(ctx); err != nil {
 		return nil, err
 	}
+	if err := s.writeCharts(); err != nil {
+		return nil, err
+	}
 	if err := s.startAPIServer(); err != nil {
 		return nil, err
 	}
@@ -234,6 +251,9 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 		return nil, err
 	}
 	if err := s.startFleet(ctx); err != nil {
+		return nil, err
+	}
+	if err := s.installCilium(ctx); err != nil {
 		return nil, err
 	}
 	if err := s.startWorkloads(ctx); err != nil {
@@ -257,7 +277,9 @@ func (s *Sandbox) claimDir() error {
 	for _, f := range sandboxFiles {
 		_ = os.Remove(s.Path(f))
 	}
-	_ = os.RemoveAll(s.Path(dirPods))
+	for _, d := range sandboxDirs {
+		_ = os.RemoveAll(s.Path(d))
+	}
 	if err := os.MkdirAll(s.cfg.Dir, 0o700); err != nil {
 		return fmt.Errorf("sandbox directory: %w", err)
 	}
@@ -375,7 +397,8 @@ func (s *Sandbox) controllerImage(ctx context.Context) error {
 // install applies manifests/ with the real kubectl, as an admin installs
 // Ichor into a cluster, and waits until the CRD is served. A kustomization
 // in the sandbox's directory over manifests/ sets the controller's image
-// to the one the machines run as the controller binary.
+// to the one the machines run as the controller binary, and points it at
+// the sandbox's charts (where the image has the one it ships).
 func (s *Sandbox) install(ctx context.Context) error {
 	dir, err := filepath.Abs(s.cfg.Dir)
 	if err != nil {
@@ -385,7 +408,17 @@ func (s *Sandbox) install(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("install Ichor: %w", err)
 	}
-	kustomization := fmt.Sprintf("resources:\n  - %s\nimages:\n  - name: %s\n    newTag: %s\n", base, executor.ReleaseImage, s.Version)
+	kustomization := fmt.Sprintf(`resources:
+  - %s
+images:
+  - name: %s
+    newTag: %s
+patches:
+  - target: {kind: Deployment, name: %s}
+    patch: |-
+      - {op: add, path: /spec/template/spec/containers/0/args/-, value: %q}
+      - {op: add, path: /spec/template/spec/containers/0/args/-, value: %q}
+`, base, executor.ReleaseImage, s.Version, manifests.Deployment, "--chart-dir="+s.Path(dirCharts), "--chart-digest="+s.shippedChart.Digest)
 	if err := s.write(fileKustomization, []byte(kustomization), 0o600); err != nil {
 		return err
 	}
@@ -569,8 +602,8 @@ func (s *Sandbox) Stop() {
 		for _, name := range s.wrote {
 			_ = os.Remove(s.Path(name))
 		}
-		if s.Fleet != nil {
-			_ = os.RemoveAll(s.Path(dirPods))
+		for _, d := range sandboxDirs {
+			_ = os.RemoveAll(s.Path(d))
 		}
 		_ = os.Remove(s.cfg.Dir) // only if empty: files of the user's stay
 	})
