@@ -16,6 +16,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -406,4 +407,48 @@ func killAfterRollout(c *ichorCluster, old *controller, kill func()) {
 		c.t.Errorf("after the rollout the old leader left the operation %s: %q, want it %q", op.Status.Phase, op.Status.Machines[0].Message, waiting)
 	}
 	kill()
+}
+
+// A drain of the machine the leading controller's pod runs on evicts that
+// pod last: while a budget holds another pod back, the leader stays (its
+// standby on the machine goes at once); once the budget lets go, the
+// leader evicts itself, a new one takes over and finishes the reboot. A
+// leader evicting itself among the others would cut the evictions in
+// flight when it ends.
+func TestDrainEvictsOwnPodLast(t *testing.T) {
+	c := newIchorWorld(t, sim.Cluster("", 1, 2))
+	w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+	// The controller's pods and the held pod on w1.
+	c.setCordon(w2, true)
+	c.install()
+	c.deployment("held", 1, 0)
+	c.pdb("held", 1)
+	c.waitHealthy("held", 1)
+	c.setCordon(w2, false)
+	leader := *leaderLease(t, c.cluster).Spec.HolderIdentity
+
+	c.create("reboot", rebootSpec(w1))
+	want := fmt.Sprintf("PodDisruptionBudget %s/held (minAvailable 1, 1 of 1 healthy) holds 1 pod", c.ns)
+	c.waitFor("reboot", "the drain to be held by the budget", 3*time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return len(op.Status.Machines) == 1 && op.Status.Machines[0].Step == executor.StepDrain && strings.Contains(op.Status.Machines[0].Message, want)
+	})
+	testenv.Eventually(t, time.Minute, "the standby on "+w1+" to be evicted", func(ctx context.Context) (bool, error) {
+		n := 0
+		for _, p := range controllerPods(t) {
+			if p.Spec.NodeName == w1 && p.DeletionTimestamp == nil {
+				n++
+			}
+		}
+		return n == 1, nil
+	})
+	if got := *leaderLease(t, c.cluster).Spec.HolderIdentity; got != leader {
+		t.Fatalf("the leader changed from %s to %s while the budget held the drain: it evicted its own pod before the others", leader, got)
+	}
+	if err := env.Client.Delete(context.Background(), &policyv1.PodDisruptionBudget{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "held"}}); err != nil {
+		t.Fatal(err)
+	}
+	c.waitSucceeded("reboot", 3*time.Minute)
+	if got := *leaderLease(t, c.cluster).Spec.HolderIdentity; got == leader {
+		t.Errorf("the leader on the rebooted %s still leads", w1)
+	}
 }
