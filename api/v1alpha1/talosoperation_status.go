@@ -86,6 +86,47 @@ const (
 	MachineFailed     MachinePhase = "Failed"
 )
 
+// StageOrder is the order in which a stage works on its machines.
+// +kubebuilder:validation:Enum=Rolling;OneAtATime;Once
+type StageOrder string
+
+// Stage orders.
+const (
+	// StageRolling: control planes one at a time, then workers in batches
+	// within maxUnavailable (the order of the kinds without stages).
+	StageRolling StageOrder = "Rolling"
+	// StageOneAtATime: one machine at a time, control planes first.
+	StageOneAtATime StageOrder = "OneAtATime"
+	// StageOnce: cluster-wide steps, run once as the steps of the stage's
+	// first machine that is not skipped.
+	StageOnce StageOrder = "Once"
+)
+
+// StageStatus is one stage of an operation made of stages: which machines
+// take part, in which order, and when it ran. A stage starts only when the
+// one before has finished on every machine that takes part in it.
+type StageStatus struct {
+	// Name names the stage (status.stage names the one in progress).
+	Name string `json:"name"`
+	// Roles are the roles of the machines that take part; none means every
+	// machine in scope.
+	// +optional
+	// +listType=atomic
+	Roles []MachineRole `json:"roles,omitempty"`
+	// Order is Rolling, OneAtATime or Once.
+	Order StageOrder `json:"order"`
+	// StartedAt is when the stage began.
+	// +optional
+	StartedAt *metav1.Time `json:"startedAt,omitempty"`
+	// FinishedAt is when every machine of the stage was done.
+	// +optional
+	FinishedAt *metav1.Time `json:"finishedAt,omitempty"`
+	// Progress is, once the stage has finished, its machines done over its
+	// machines (status.progress says it of the stage in progress).
+	// +optional
+	Progress string `json:"progress,omitempty"`
+}
+
 // MachineStatus is one machine's part of an operation. Entries are kept
 // compact (empty fields are omitted) so an operation over 5,000 machines stays
 // far below etcd's object size limit.
@@ -99,8 +140,9 @@ type MachineStatus struct {
 	// Step is the step in progress (or the one that failed).
 	// +optional
 	Step string `json:"step,omitempty"`
-	// Attempts counts how often work on the machine was started: 1, plus
-	// one for each retry of its failed step.
+	// Attempts counts how often work on the machine was started (in the
+	// current stage, for a kind made of stages): 1, plus one for each retry
+	// of its failed step.
 	// +optional
 	Attempts int32 `json:"attempts,omitempty"`
 	// StartedAt is when work on the machine began.
@@ -165,9 +207,16 @@ type TalosOperationStatus struct {
 	// Message is a human-readable account of the current state.
 	// +optional
 	Message string `json:"message,omitempty"`
-	// Stage is the stage in progress of a multi-stage kind.
+	// Stage is the stage in progress of a kind made of stages: the
+	// machines' phases and steps are theirs within it.
 	// +optional
 	Stage string `json:"stage,omitempty"`
+	// Stages are the stages of a kind made of stages, in the order they
+	// run: those before status.stage have finished, those after have not
+	// begun.
+	// +optional
+	// +listType=atomic
+	Stages []StageStatus `json:"stages,omitempty"`
 	// Target summarises what the operation moves to, like "talos v1.13.7".
 	// +optional
 	Target string `json:"target,omitempty"`

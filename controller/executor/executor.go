@@ -232,3 +232,16 @@ type Planner interface {
 type LockIdentifier interface {
 	LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string
 }
+
+// Stager is implemented by the kinds made of stages. The driver runs the
+// stages in order, each over its machines (those of its roles) in its
+// order, and begins a stage only once the one before has finished on every
+// machine: each machine's phase and step in status are then its own within
+// the stage in progress (status.stage), which Steps reads to give the
+// machine's steps there. A machine skipped stays skipped in the stages
+// after. The step names of one stage may be used again in another.
+type Stager interface {
+	// Stages lists the stages in order: name, roles and order of each
+	// (ichorv1.StageStatus without its times and progress).
+	Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus
+}

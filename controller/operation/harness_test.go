@@ -194,6 +194,14 @@ func (c counting) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []
 // waitKey counts the checks of a Wait step on a machine.
 func waitKey(machine, step string) string { return machine + "/" + step + " (wait)" }
 
+// Stages forwards to the wrapped executor when it is a Stager.
+func (c counting) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
+	if s, ok := c.Executor.(executor.Stager); ok {
+		return s.Stages(op)
+	}
+	return nil
+}
+
 // LockIdentity forwards to the wrapped executor when it has one.
 func (c counting) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
 	if li, ok := c.Executor.(executor.LockIdentifier); ok {

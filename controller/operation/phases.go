@@ -63,6 +63,50 @@ func (t *turn) start() {
 			t.event(corev1.EventTypeNormal, "MachineSkipped", "%s: %s", m.Name, m.Message)
 		}
 	}
+	if len(t.op.Status.Stages) > 0 {
+		t.beginStage(0)
+	}
+}
+
+// advanceStage begins the next stage once the persisted status records
+// the stage in progress as finished (deriveStatus sets its finishedAt when
+// its last machine is done): the runner then holds nothing of its steps
+// (settle dropped their results, waits and call counts), so the next stage
+// may use the same step names.
+func (t *turn) advanceStage() {
+	p, i := plan.Stage(&t.persisted.Status)
+	if p == nil || p.FinishedAt == nil || i+1 >= len(t.op.Status.Stages) {
+		return
+	}
+	t.event(corev1.EventTypeNormal, "StageSucceeded", "stage %s done on %s machine(s)", p.Name, p.Progress)
+	t.beginStage(i + 1)
+}
+
+// beginStage makes stage i the one in progress: its machines begin again
+// at Pending, held ones are skipped (a skipped machine stays skipped), and
+// a Once stage's first machine that is not skipped is the one that runs it.
+func (t *turn) beginStage(i int) {
+	st := &t.op.Status
+	s := &st.Stages[i]
+	st.Stage, s.StartedAt, s.FinishedAt, s.Progress = s.Name, &t.now, nil, ""
+	all := *s
+	all.Order = ichorv1.StageRolling // every machine of its roles, for the holds
+	_, idx := plan.InStage(st.Machines, &all)
+	lead := false
+	for _, j := range idx {
+		m := &st.Machines[j]
+		if m.Phase == ichorv1.MachineSkipped || (s.Order == ichorv1.StageOnce && lead) {
+			continue
+		}
+		if held, why := t.held(m.Name); held {
+			m.Phase, m.Message, m.FinishedAt = ichorv1.MachineSkipped, why, &t.now
+			t.event(corev1.EventTypeNormal, "MachineSkipped", "%s: %s", m.Name, why)
+			continue
+		}
+		*m = ichorv1.MachineStatus{Name: m.Name, Role: m.Role, Phase: ichorv1.MachinePending, From: m.From, To: m.To}
+		lead = true
+	}
+	t.event(corev1.EventTypeNormal, "StageStarted", "stage %s (%d of %d)", s.Name, i+1, len(st.Stages))
 }
 
 // refuse records failed checks: deriveStatus makes the operation Refused,
@@ -274,14 +318,17 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 	for i := range st.Machines {
 		st.Machines[i].Stopped = false // resumed, or retried
 	}
+	t.advanceStage()
 	t.skipHeld()
-	start, wait := plan.Next(st.Machines, t.outOfService(ctx), int(op.Spec.MaxUnavailable))
+	s, _ := plan.Stage(st)
+	view, idx := plan.InStage(st.Machines, s)
+	start, wait := plan.Next(view, t.outOfService(ctx), plan.Budget(s, int(op.Spec.MaxUnavailable)))
 	for _, i := range start {
-		t.startMachine(&st.Machines[i])
+		t.startMachine(&st.Machines[plan.Index(idx, i)])
 	}
 	t.why = wait.String()
 	if wait.Stuck() && op.Settled() {
-		t.failStuck(wait)
+		t.failStuck(view, idx, wait)
 	}
 	t.canLaunch = true
 	return ctrl.Result{RequeueAfter: requeue}, nil
@@ -336,10 +383,10 @@ func (t *turn) stopped(ctx context.Context, identity string) bool {
 // back use up the budget: waiting would hold the cluster lock forever, and
 // the holder that left them cordoned needs it to finish. Nothing of this
 // operation is in flight, so the lock goes; a retry checks the budget again.
-func (t *turn) failStuck(wait plan.Wait) {
-	for i := range t.op.Status.Machines {
-		if m := &t.op.Status.Machines[i]; m.Role == ichorv1.RoleWorker && m.Phase == ichorv1.MachinePending {
-			t.fail(m, stepStart, executor.Fail(ReasonWorkersUnavailable, "%s", wait))
+func (t *turn) failStuck(view []ichorv1.MachineStatus, idx []int, wait plan.Wait) {
+	for i, m := range view {
+		if m.Role == ichorv1.RoleWorker && m.Phase == ichorv1.MachinePending {
+			t.fail(&t.op.Status.Machines[plan.Index(idx, i)], stepStart, executor.Fail(ReasonWorkersUnavailable, "%s", wait))
 			return
 		}
 	}
@@ -354,23 +401,35 @@ const stepStart = "start"
 const ReasonWorkersUnavailable = "WorkersUnavailable"
 
 // skipHeld skips the machines that have not started and whose Node has
-// been put on hold since the operation started (before, plan did).
+// been put on hold since the operation started (before, plan did). In a
+// Once stage it skips none: its holds were honoured when it began
+// (beginStage), and skipping the machine that runs it would hand its
+// cluster-wide steps to one that is done already.
 func (t *turn) skipHeld() {
-	if !t.exec.HonourHold() {
+	if s, _ := plan.Stage(&t.op.Status); s != nil && s.Order == ichorv1.StageOnce {
 		return
 	}
 	st := &t.op.Status
 	for i := range st.Machines {
 		m := &st.Machines[i]
-		n := t.node(m.Name)
-		if m.Phase != ichorv1.MachinePending || n == nil {
+		if m.Phase != ichorv1.MachinePending {
 			continue
 		}
-		if held, why := plan.Held(plan.Machine{Annotations: n.Annotations}); held {
+		if held, why := t.held(m.Name); held {
 			m.Phase, m.Message, m.FinishedAt = ichorv1.MachineSkipped, why, &t.now
 			t.event(corev1.EventTypeNormal, "MachineSkipped", "%s: %s", m.Name, why)
 		}
 	}
+}
+
+// held says whether the kind honours holds and the machine's Node carries
+// one, and why.
+func (t *turn) held(name string) (bool, string) {
+	n := t.node(name)
+	if !t.exec.HonourHold() || n == nil {
+		return false, ""
+	}
+	return plan.Held(plan.Machine{Annotations: n.Annotations})
 }
 
 // reconcileOver is the turn of an operation that has ended: it lets go of

@@ -48,7 +48,8 @@ func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	if st.Phase == ichorv1.PhaseSucceeded || st.Phase == ichorv1.PhaseRefused {
 		st.Lock = ""
 	}
-	st.Progress, st.Current = plan.Progress(st.Machines), plan.Current(st.Machines)
+	st.Progress, st.Current = plan.Progress(stageMachines(st)), plan.Current(st.Machines)
+	finishStage(st, now)
 	st.ObservedGeneration = op.Generation
 	setReadyCondition(op)
 	setProgressingCondition(op)
@@ -73,12 +74,13 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		return ichorv1.PhaseCancelled, "Cancelled", cancelledMessage(op)
 	case len(refusals(op)) > 0:
 		return ichorv1.PhaseRefused, preflight.ConditionReason, preflight.RefusedMessage(refusals(op))
-	case st.StartTime != nil && allDone(st.Machines):
+	case st.StartTime != nil && plan.Finished(st):
 		// "talos v1.13.7 done on 5/6 machine(s), 1 held: w-3 (held by ...)"
-		done, left, _ := strings.Cut(plan.Progress(st.Machines), ", ")
+		ms := stageMachines(st)
+		done, left, _ := strings.Cut(plan.Progress(ms), ", ")
 		msg := fmt.Sprintf("%s done on %s machine(s)", st.Target, done)
 		if left != "" {
-			msg += ", " + left + ": " + plan.LeftOut(st.Machines)
+			msg += ", " + left + ": " + plan.LeftOut(ms)
 		}
 		return ichorv1.PhaseSucceeded, "Succeeded", msg
 	case op.StepFailed():
@@ -163,13 +165,17 @@ func cancelledMessage(op *ichorv1.TalosOperation) string {
 	_, who := op.CancelRequested()
 	st := &op.Status
 	var names []string
-	for _, m := range st.Machines {
+	ms := stageMachines(st)
+	for _, m := range ms {
 		if m.Phase == ichorv1.MachineSucceeded {
 			names = append(names, m.Name)
 		}
 	}
-	done, _, _ := strings.Cut(plan.Progress(st.Machines), ", ")
+	done, _, _ := strings.Cut(plan.Progress(ms), ", ")
 	msg := "cancelled by " + who + "; done on " + done + " machine(s)"
+	if st.Stage != "" {
+		msg = "cancelled by " + who + " in stage " + st.Stage + "; done there on " + done + " machine(s)"
+	}
 	if len(names) > 0 {
 		msg += ": " + strings.Join(names, ", ")
 	}
@@ -325,11 +331,22 @@ func entry(st *ichorv1.TalosOperationStatus, name string) *ichorv1.MachineStatus
 	return nil
 }
 
-func allDone(ms []ichorv1.MachineStatus) bool {
-	for _, m := range ms {
-		if !plan.Done(m.Phase) {
-			return false
-		}
+// stageMachines are the machines of the stage in progress (every machine,
+// for a kind without stages).
+func stageMachines(st *ichorv1.TalosOperationStatus) []ichorv1.MachineStatus {
+	s, _ := plan.Stage(st)
+	ms, _ := plan.InStage(st.Machines, s)
+	return ms
+}
+
+// finishStage records the end of the stage in progress once every machine
+// of it is done: the next turn begins the next stage (advanceStage).
+func finishStage(st *ichorv1.TalosOperationStatus, now metav1.Time) {
+	s, _ := plan.Stage(st)
+	if s == nil || s.StartedAt == nil || s.FinishedAt != nil {
+		return
 	}
-	return true
+	if ms := stageMachines(st); plan.AllDone(ms) {
+		s.FinishedAt, s.Progress = &now, plan.Progress(ms)
+	}
 }

@@ -160,6 +160,10 @@ func (t *turn) plan() error {
 	}
 	op.Status.Target = summary
 	op.Status.Machines = plan.Initial(ms, to, t.exec.HonourHold())
+	op.Status.Stages = nil
+	if s, ok := t.exec.(executor.Stager); ok {
+		op.Status.Stages = s.Stages(op)
+	}
 	return nil
 }
 
