@@ -298,3 +298,53 @@ func TestFailuresOf5000MachinesFit(t *testing.T) {
 		t.Errorf("the first failure's message is %q", first)
 	}
 }
+
+// stagedOp is an operation over cp, w1 and w2 (phases in that order)
+// in stage i of two: control planes one at a time, then every machine.
+func stagedOp(i int, phases []ichorv1.MachinePhase, change ...func(*ichorv1.TalosOperation)) *ichorv1.TalosOperation {
+	op := opIn(phases, append([]func(*ichorv1.TalosOperation){isStarted}, change...)...)
+	op.Status.Target = "kubernetes v1.36.2"
+	op.Status.Stages = []ichorv1.StageStatus{
+		{Name: "control-plane", Roles: []ichorv1.MachineRole{ichorv1.RoleControlPlane}, Order: ichorv1.StageOneAtATime, StartedAt: started},
+		{Name: "kubelet", Order: ichorv1.StageRolling},
+	}
+	for j := 1; j <= i; j++ {
+		op.Status.Stages[j-1].FinishedAt, op.Status.Stages[j].StartedAt = started, started
+	}
+	op.Status.Stage = op.Status.Stages[i].Name
+	return op
+}
+
+// TestDeriveStatusStages: a stage done everywhere is recorded finished and
+// the operation runs on into the next; it succeeds only once its last
+// stage is done; progress and the messages speak of the stage in progress.
+func TestDeriveStatusStages(t *testing.T) {
+	tests := []struct {
+		name             string
+		op               *ichorv1.TalosOperation
+		phase            ichorv1.Phase
+		progress, prefix string
+		finished         []bool
+	}{
+		{"first stage running", stagedOp(0, []ichorv1.MachinePhase{inProgress, pending, pending}), ichorv1.PhaseRunning, "0/1", "running", []bool{false, false}},
+		{"first stage done", stagedOp(0, []ichorv1.MachinePhase{succeeded, pending, pending}), ichorv1.PhaseRunning, "1/1", "running", []bool{true, false}},
+		{"last stage running", stagedOp(1, []ichorv1.MachinePhase{succeeded, inProgress, pending}), ichorv1.PhaseRunning, "1/3", "running", []bool{true, false}},
+		{"last stage done", stagedOp(1, []ichorv1.MachinePhase{succeeded, succeeded, skipped}), ichorv1.PhaseSucceeded, "2/3, 1 skipped", "kubernetes v1.36.2 done on 2/3 machine(s), 1 skipped: w2", []bool{true, true}},
+		{"cancelled in a stage", stagedOp(1, []ichorv1.MachinePhase{succeeded, pending, pending}, cancelledBy("alice")), ichorv1.PhaseCancelled, "1/3", "cancelled by alice in stage kubelet; done there on 1/3 machine(s): cp", []bool{true, false}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			op := tt.op.DeepCopy()
+			deriveStatus(op, t0, "")
+			st := op.Status
+			if st.Phase != tt.phase || st.Progress != tt.progress || !strings.HasPrefix(st.Message, tt.prefix) {
+				t.Errorf("got %s %s %q, want %s %s %q...", st.Phase, st.Progress, st.Message, tt.phase, tt.progress, tt.prefix)
+			}
+			for i, s := range st.Stages {
+				if (s.FinishedAt != nil) != tt.finished[i] {
+					t.Errorf("stage %s finishedAt %v, want finished %v", s.Name, s.FinishedAt, tt.finished[i])
+				}
+			}
+		})
+	}
+}
