@@ -209,9 +209,10 @@ func (o *TalosOperation) QueuePlace() QueuePlace {
 }
 
 // WantsLock reports whether the operation holds or waits for the cluster
-// lock: it is not being deleted, not paused by an operator, and not Finished.
+// lock: it is not being deleted, not paused by an operator, not held for a
+// person to approve its changed plan, and not Finished.
 func (o *TalosOperation) WantsLock() bool {
-	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.Finished()
+	return o.DeletionTimestamp.IsZero() && !o.PausedByOperator() && !o.PlanChanged() && !o.Finished()
 }
 
 // LockWaiter is a Job waiting in the queue for the cluster lock, as

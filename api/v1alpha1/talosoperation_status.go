@@ -32,6 +32,10 @@ const (
 	ReasonPausedByOperator = "PausedByOperator"
 	// ReasonStepFailed: a step failed; status.failureReason says why.
 	ReasonStepFailed = "StepFailed"
+	// ReasonPlanChanged: a plan was approved (PlanApprovedAnnotation), and
+	// the plan made again before the start, as the cluster changed,
+	// differs from it; nothing has started.
+	ReasonPlanChanged = "PlanChanged"
 )
 
 // LockState says what an operation has to do with the cluster lock.

@@ -32,6 +32,14 @@ const (
 	// Ichor's cordon on the skipped machine; without it the cordon stays.
 	SkipUncordonAnnotation = "ichor.maesh.dev/skip-uncordon"
 
+	// PlanApprovedAnnotation records the plan a person approved before the
+	// operation started: its value is the PlanFingerprint of the plan shown
+	// (kubectl ichor --plan sets it as it resumes the operation). The
+	// controller starts the operation only on that plan: when the cluster
+	// changed meanwhile and the plan made again differs, it holds the
+	// operation (reason PlanChanged) until the new plan is approved.
+	PlanApprovedAnnotation = "ichor.maesh.dev/plan-approved"
+
 	// UpgradeHoldAnnotation on a Node skips that machine (machine phase Skipped).
 	UpgradeHoldAnnotation = "ichor.maesh.dev/upgrade-hold"
 	// UpgradeOrderLabel (an integer) on a Node sorts machines within their tier.

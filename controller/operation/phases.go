@@ -35,6 +35,9 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
 			return ctrl.Result{}, err
 		}
+		if t.op.PlanChanged() {
+			return ctrl.Result{}, nil // held for a person, without the lock
+		}
 	}
 	if result, stopped := t.reconcileStopped(ctx); stopped {
 		return result, nil
@@ -46,6 +49,12 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 	if !t.started() {
 		if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
 			return ctrl.Result{}, err
+		}
+		if t.op.PlanChanged() {
+			// Planned differently since the check before the lock: held for
+			// a person, and the lock goes to the next in line meanwhile.
+			t.op.Status.Lock = ""
+			return ctrl.Result{}, t.r.release(ctx, t.persisted)
 		}
 		t.start()
 	}

@@ -58,6 +58,12 @@ func deriveStatus(op *ichorv1.TalosOperation, now metav1.Time, why string) {
 	setReconcilingCondition(op)
 }
 
+// planChangedMessage says why an approved plan does not run, and what to do.
+func planChangedMessage(op *ichorv1.TalosOperation) string {
+	return fmt.Sprintf("the plan changed since it was approved (the cluster changed before it started) and nothing has run: "+
+		"see the new plan and run it with `kubectl ichor operation resume %s`, or delete the operation", op.Name)
+}
+
 const (
 	retryWaits  = "; a retry is requested and runs when the operation is resumed"
 	pausedByYou = "paused by an operator (spec.paused); `kubectl ichor operation resume` lifts it"
@@ -98,6 +104,8 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 			msg += "; finishing the steps in flight: " + strings.Join(inFlight, ", ")
 		}
 		return ichorv1.PhasePaused, ichorv1.ReasonPausedByOperator, msg
+	case op.PlanChanged():
+		return ichorv1.PhasePaused, ichorv1.ReasonPlanChanged, planChangedMessage(op)
 	case st.Lock == ichorv1.LockWaiting:
 		if why == "" {
 			why = "waiting for the cluster lock, held by " + st.LockHolder

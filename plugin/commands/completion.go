@@ -58,7 +58,7 @@ func pausable(op *ichorv1.TalosOperation) bool {
 }
 
 func resumable(op *ichorv1.TalosOperation) bool {
-	return !op.Succeeded() && !op.Refused() && (op.PausedByOperator() || (op.StepFailed() && !op.RetryPending()))
+	return !op.Succeeded() && !op.Refused() && (op.PausedByOperator() || op.PlanChanged() || (op.StepFailed() && !op.RetryPending()))
 }
 
 func cancellable(op *ichorv1.TalosOperation) bool {

@@ -129,6 +129,10 @@ type controlOptions struct {
 	printFlags *genericclioptions.PrintFlags
 	follow     followFlags
 	canFollow  bool
+	// approves says the command runs an operation whose plan changed since
+	// it was approved, once the new plan is shown and approved (resume).
+	approves bool
+	yes      bool
 
 	names     []string
 	namespace string
@@ -213,6 +217,9 @@ func (o *controlOptions) apply(ctx context.Context, c client.Client, name string
 	op, err := getOperation(ctx, c, o.namespace, name)
 	if err != nil {
 		return nil, plan{}, err
+	}
+	if o.approves && op.PlanChanged() {
+		return op, plan{}, o.approveChanged(ctx, c, op)
 	}
 	p, err := o.plan(op, o.e.Name)
 	if err != nil {
@@ -312,9 +319,37 @@ it. This sets spec.paused; resume lifts it.`,
 	})
 }
 
+// approveChanged shows the new plan of an operation held because its plan
+// changed since it was approved, and runs it once approved: --yes, or the
+// person at the terminal. Without either it refuses, and nothing changes.
+func (o *controlOptions) approveChanged(ctx context.Context, c client.Client, op *ichorv1.TalosOperation) error {
+	out := o.e.Streams.Out
+	fmt.Fprintf(out, "The plan of %s changed since it was approved (the cluster changed before it started); the new plan:\n", ref(op.Name))
+	if o.dryRun != cmdutil.DryRunNone {
+		text, err := planText(op)
+		fmt.Fprint(out, text)
+		return err
+	}
+	answer := func() (bool, error) {
+		switch {
+		case o.yes:
+			return true, nil
+		case !o.e.IsTerminal(o.e.Streams.In):
+			return false, fmt.Errorf("%s waits for its new plan to be approved, and there is no terminal to ask on: read the plan above, then run it with %s operation resume %s --yes (or delete the operation)", ref(op.Name), o.e.Name, op.Name)
+		}
+		run, err := o.e.ask("Run this plan?")
+		if err == nil && !run {
+			fmt.Fprintf(o.e.Streams.ErrOut, "%s stays held; nothing ran\n", ref(op.Name))
+		}
+		return run, err
+	}
+	_, err := approvePlan(ctx, c, op, out, o.e.Name, answer)
+	return err
+}
+
 func newResumeCmd(e *Env) *cobra.Command {
-	o := &controlOptions{action: "resume", plan: planResume, canFollow: true}
-	return newControlCmd(e, o, &cobra.Command{
+	o := &controlOptions{action: "resume", plan: planResume, canFollow: true, approves: true}
+	cmd := newControlCmd(e, o, &cobra.Command{
 		Use:   "resume NAME...",
 		Short: "Resume paused operations; on a failed step, run it again",
 		Long: fmt.Sprintf(`Resume operations. On an operation an operator paused it clears spec.paused;
@@ -322,11 +357,17 @@ on one held by a failed step it asks ichor-controller to run that step again
 (the %[2]s=%[3]s annotation, like retry); on one that is both, both.
 
 Fix the cause of a failure before resuming: a failed step is never retried by
-itself, and nothing is rolled back.`, e.Name, ichorv1.RetryAnnotation, ichorv1.RetryRequested),
+itself, and nothing is rolled back.
+
+An operation whose plan was approved (--plan) and changed before it started,
+as the cluster changed, is held (PlanChanged): resume prints the new plan and
+asks whether to run it (--yes answers yes).`, e.Name, ichorv1.RetryAnnotation, ichorv1.RetryRequested),
 		Example: fmt.Sprintf(`  # Resume and follow live until it succeeds or fails
   %[1]s operation resume upgrade-talos-7fk2q --watch`, e.Name),
 		ValidArgsFunction: e.completeOperations(resumable),
 	})
+	cmd.Flags().BoolVarP(&o.yes, "yes", "y", false, "Run a changed plan without asking (see above)")
+	return cmd
 }
 
 func newRetryCmd(e *Env) *cobra.Command {

@@ -26,10 +26,7 @@ const planWait = 2 * time.Minute
 // for ichor-controller's preflight and plan, prints the plan, and asks
 // whether to run it (resume) or not (delete); --yes answers yes. Without a
 // terminal it leaves the operation paused and says how to resume it. The
-// plan run is the plan shown: the resume is sent only if the operation is
-// unchanged since it was printed (its resourceVersion); if the cluster
-// changed and the controller planned again, the new plan is shown and
-// asked about again.
+// plan run is the plan shown (approvePlan).
 func (o *createOptions) runPlan(ctx context.Context, c client.WithWatch, out io.Writer) error {
 	timeout := planWait
 	if o.follow.timeout > 0 {
@@ -47,36 +44,48 @@ func (o *createOptions) runPlan(ctx context.Context, c client.WithWatch, out io.
 	case err != nil:
 		return err
 	}
-	for {
-		if shown.Refused() {
-			_, err := outcome(shown, -1, o.e.Name)
-			return err
-		}
-		text, err := planText(shown)
-		if err != nil {
-			return err
-		}
-		fmt.Fprint(out, text)
-		run, err := o.answer()
-		if err != nil || !run {
-			return err
-		}
-		latest, changed, err := resumeUnchanged(ctx, c, shown, text)
-		if err != nil {
-			return err
-		}
-		if !changed {
-			fmt.Fprintf(out, "%s resumed: it runs the plan above\n", ref(name))
-			break
-		}
-		fmt.Fprintln(out, "The plan changed since it was printed (the cluster changed); the new plan:")
-		shown = latest
+	run, err := approvePlan(ctx, c, shown, out, o.e.Name, o.answer)
+	if err != nil || !run {
+		return err
 	}
 	if !o.follow.following() {
 		fmt.Fprintf(o.e.Streams.ErrOut, "follow it with: %s watch %s\n", o.e.Name, name)
 		return nil
 	}
 	return o.e.follow(ctx, c, o.namespace, name, o.follow, out, -1)
+}
+
+// approvePlan prints the plan of an operation that has not started and
+// asks (answer) whether to run it; on a yes it resumes the operation
+// with the plan approved (resumeUnchanged). If the cluster changed and the
+// controller planned again meanwhile, the new plan is shown and asked
+// about again. It reports whether the operation runs.
+func approvePlan(ctx context.Context, c client.Client, shown *ichorv1.TalosOperation, out io.Writer, command string, answer func() (bool, error)) (bool, error) {
+	for {
+		if shown.Refused() {
+			_, err := outcome(shown, -1, command)
+			return false, err
+		}
+		text, err := planText(shown)
+		if err != nil {
+			return false, err
+		}
+		fmt.Fprint(out, text)
+		run, err := answer()
+		if err != nil || !run {
+			return false, err
+		}
+		latest, changed, err := resumeUnchanged(ctx, c, shown, text)
+		if err != nil {
+			return false, err
+		}
+		if !changed {
+			fmt.Fprintf(out, "%s resumed: it runs the plan above\n", ref(shown.Name))
+			return true, nil
+		}
+		fmt.Fprintln(out, "The plan changed since it was printed (the cluster changed); the new plan:")
+		shown = latest
+	}
 }
 
 // answer says whether to run the plan: --yes, or the person at the
@@ -129,13 +138,19 @@ func planText(op *ichorv1.TalosOperation) (string, error) {
 
 // resumeUnchanged resumes the operation only if it is as shown: the merge
 // patch carries the resourceVersion it was printed at, so the API server
-// refuses it if anything changed since. A change that leaves the printed
-// plan as it was (a condition's time) is not a change of plan: the resume
-// is sent again on the latest version. Otherwise it returns the latest
-// version and changed.
+// refuses it if anything changed since, and the plan's fingerprint
+// (PlanApprovedAnnotation), so the controller runs that plan only: if the
+// cluster changes before the operation starts and the plan made again
+// differs, the controller holds it (PlanChanged) for the new plan to be
+// approved. A change that leaves the printed plan as it was (a
+// condition's time) is not a change of plan: the resume is sent again on
+// the latest version. Otherwise it returns the latest version and changed.
 func resumeUnchanged(ctx context.Context, c client.Client, shown *ichorv1.TalosOperation, text string) (*ichorv1.TalosOperation, bool, error) {
 	for {
-		patch := mustJSON(map[string]any{"metadata": map[string]any{"resourceVersion": shown.ResourceVersion}, "spec": map[string]any{"paused": false}})
+		patch := mustJSON(map[string]any{
+			"metadata": map[string]any{"resourceVersion": shown.ResourceVersion, "annotations": map[string]string{ichorv1.PlanApprovedAnnotation: shown.PlanFingerprint()}},
+			"spec":     map[string]any{"paused": false},
+		})
 		op := shown.DeepCopy()
 		err := c.Patch(ctx, op, client.RawPatch(types.MergePatchType, patch), client.FieldOwner(FieldManager))
 		if !apierrors.IsConflict(err) {
@@ -149,9 +164,16 @@ func resumeUnchanged(ctx context.Context, c client.Client, shown *ichorv1.TalosO
 		if err != nil {
 			return nil, false, err
 		}
-		if now != text || !latest.PausedByOperator() {
+		if now != text || !awaitsApproval(latest) {
 			return latest, true, nil
 		}
 		shown = latest
 	}
+}
+
+// awaitsApproval reports whether the operation waits for a person to run
+// its plan: created paused to be planned (--plan), or held because its
+// plan changed since it was approved.
+func awaitsApproval(op *ichorv1.TalosOperation) bool {
+	return op.Status.StartTime == nil && (op.PausedByOperator() || op.PlanChanged())
 }
