@@ -306,40 +306,64 @@ func (c *cluster) waitJobSucceeded(job *batchv1.Job, timeout time.Duration) {
 }
 
 // The controller is killed right after it lent the cluster lock to its
-// Job, before it wrote the step's end to status; the next controller runs
-// the step again: it finds the Job it started and the lock already lent,
-// starts no second Job, and the lock is never free until the end.
+// Job, before it wrote the step's end to status, or once status records
+// that it waits for the rollout; the next controller goes on: it finds the
+// Job it started and the lock already lent, starts no second Job, and the
+// lock is never free until the end.
 func TestCNIKilledAfterLend(t *testing.T) {
-	c := newCiliumCluster(t, sim.Cluster("", 1, 1))
-	holders := c.watchLockHolders()
-	var killed atomic.Bool
-	var first *controller
-	first = c.startKillableWith(c.withImage(), afterLend(func() {
-		if killed.CompareAndSwap(false, true) {
-			first.Kill()
-		}
-	}))
-	c.create("cilium", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI})
-	testenv.Eventually(t, time.Minute, "the controller to be killed after the lend", func(context.Context) (bool, error) {
-		return killed.Load(), nil
-	})
-	<-first.Exited()
-	if op := c.get("cilium"); len(op.Status.Machines) == 0 || op.Status.Machines[0].Step != executor.StepCiliumJob {
-		t.Fatalf("the killed controller got past the Job's start in status: %s", boundary(op))
-	}
-	c.start(c.withImage())
-	op := c.waitSucceeded("cilium", 3*time.Minute)
+	for _, tc := range []struct {
+		name string
+		// at is where the controller is killed; step where status is then.
+		at   func(do func()) controllerOption
+		step string
+	}{
+		{"after the lend", afterLend, executor.StepCiliumJob},
+		{"waiting for the rollout", afterStatusAt(executor.StepCilium), executor.StepCilium},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCiliumCluster(t, sim.Cluster("", 1, 1))
+			holders := c.watchLockHolders()
+			var killed atomic.Bool
+			var first *controller
+			first = c.startKillableWith(c.withImage(), tc.at(func() {
+				if killed.CompareAndSwap(false, true) {
+					first.Kill()
+				}
+			}))
+			c.create("cilium", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCNI})
+			testenv.Eventually(t, time.Minute, "the controller to be killed "+tc.name, func(context.Context) (bool, error) {
+				return killed.Load(), nil
+			})
+			<-first.Exited()
+			if op := c.get("cilium"); len(op.Status.Machines) == 0 || op.Status.Machines[0].Step != tc.step {
+				t.Fatalf("the killed controller left status at another step than %s: %s", tc.step, boundary(op))
+			}
+			c.start(c.withImage())
+			op := c.waitSucceeded("cilium", 3*time.Minute)
 
-	if jobs := jobsOf(t, op); len(jobs) != 1 {
-		t.Errorf("the operation started %d Jobs, want 1", len(jobs))
+			if jobs := jobsOf(t, op); len(jobs) != 1 {
+				t.Errorf("the operation started %d Jobs, want 1", len(jobs))
+			}
+			opID := ichorv1.OperationIdentity(c.ns, "cilium")
+			jobID := ichorv1.JobIdentity(cilium.Namespace, jobsOf(t, op)[0].Name)
+			if got, want := freeAgain(t, holders), []string{opID, jobID, opID, ""}; !slices.Equal(got, want) {
+				t.Errorf("the cluster lock's holders over time:\n %q\nwant\n %q", got, want)
+			}
+			if img := agentImage(t); img != "quay.io/cilium/cilium:v1.19.6" {
+				t.Errorf("agents run %s after the upgrade", img)
+			}
+		})
 	}
-	opID := ichorv1.OperationIdentity(c.ns, "cilium")
-	jobID := ichorv1.JobIdentity(cilium.Namespace, jobsOf(t, op)[0].Name)
-	if got, want := freeAgain(t, holders), []string{opID, jobID, opID, ""}; !slices.Equal(got, want) {
-		t.Errorf("the cluster lock's holders over time:\n %q\nwant\n %q", got, want)
-	}
-	if img := agentImage(t); img != "quay.io/cilium/cilium:v1.19.6" {
-		t.Errorf("agents run %s after the upgrade", img)
+}
+
+// afterStatusAt calls do after each status write that records the
+// operation's first machine at step.
+func afterStatusAt(step string) func(do func()) controllerOption {
+	return func(do func()) controllerOption {
+		return afterWrite(http.MethodPut, "/status", func(obj runtime.Object) bool {
+			op, ok := obj.(*ichorv1.TalosOperation)
+			return ok && len(op.Status.Machines) > 0 && op.Status.Machines[0].Step == step
+		}, do)
 	}
 }
 
