@@ -175,6 +175,16 @@ func (m *Machine) publish() {
 		m.putService("trustd", true)
 		m.refreshEtcdService()
 	}
+	m.renderConfigured()
+}
+
+// renderConfigured renders the resources Talos's controllers derive from
+// the active configuration: the KubeletSpec and, on a control plane, the
+// static pods and bootstrap manifests.
+func (m *Machine) renderConfigured() {
+	m.renderKubeletSpec()
+	m.renderStaticPods()
+	m.renderManifests()
 }
 
 func (m *Machine) putService(id string, running bool) {

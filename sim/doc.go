@@ -100,7 +100,16 @@
 // MachineType, MachineStatus, Version, ExtensionStatus (the "schematic"
 // entry carries the schematic ID; none without a schematic), SecurityState,
 // Service (apid, containerd, cri, machined, udevd, kubelet, ext-*, and etcd
-// and trustd on control planes), Nodename and the local etcd Member.
+// and trustd on control planes), Nodename, the local etcd Member, the
+// KubeletSpec (the kubelet image, its flags with machine.kubelet.extraArgs
+// merged in as Talos's argsbuilder renders them, and extraConfig) and, on
+// control planes, the components' APIServerConfig, ControllerManagerConfig
+// and SchedulerConfig (namespace controlplane), their StaticPods (namespace
+// k8s: the pod Talos renders, its command with the component's extraArgs
+// merged in) and the bootstrap Manifests Talos renders (namespace
+// controlplane: 10-kube-proxy with cluster.proxy.image while the proxy is
+// enabled, 11-core-dns and 11-core-dns-svc while CoreDNS is), all rendered
+// anew on a live configuration change.
 //
 // Disruptive sequences follow Talos's sequencer: COSI MachineStatus goes to
 // the sequence's stage (rebooting, upgrading, shutting down, resetting) when
@@ -216,7 +225,7 @@
 // the Node exists, and made again for a Node made anew). They run as the kubelet runs any
 // pod; they are gone while the machine is down (Talos tears them down with
 // etcd) and come back after it boots; a live change of a component's image
-// renders a new configuration version and replaces the pod.
+// or extraArgs renders a new configuration version and replaces the pod.
 //
 // Kubeconfig on a control plane returns, as Talos does, a tar.gz holding
 // "kubeconfig": an admin kubeconfig named after the configuration's cluster

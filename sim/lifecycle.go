@@ -253,9 +253,11 @@ func (m *Machine) revertTry(boot string, to config.Provider) {
 }
 
 // liveChanged is what Talos's controllers do when the active configuration
-// changes: the kubelet restarts when its inputs change, and the Node gets
-// the configuration's labels, annotations and taints.
+// changes: the resources rendered from it follow (renderConfigured), the
+// kubelet restarts when its inputs change, and the Node gets the
+// configuration's labels, annotations and taints.
 func (m *Machine) liveChanged(old, cfg config.Provider) {
+	m.renderConfigured()
 	if !reflect.DeepEqual(kubeletInputsOf(old), kubeletInputsOf(cfg)) {
 		m.restartService("kubelet")
 	}

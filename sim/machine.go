@@ -28,6 +28,9 @@ type Machine struct {
 
 	// applyMu serialises ApplyConfiguration as Talos does (TryLock).
 	applyMu sync.Mutex
+	// renderMu serialises rendering the resources Talos's controllers
+	// derive from the configuration (static pods, manifests).
+	renderMu sync.Mutex
 
 	mu         sync.Mutex
 	up         bool // answering the API

@@ -1,16 +1,24 @@
 package sim
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 
+	"github.com/cosi-project/runtime/pkg/safe"
+	talosconfig "github.com/siderolabs/talos/pkg/machinery/config/config"
+	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
 )
 
 // Talos's bootstrap-manifests inventory and the annotation on what it applied.
@@ -19,12 +27,215 @@ const (
 	owningInventoryAnno = "config.k8s.io/owning-inventory"
 )
 
+// manifest is one bootstrap manifest Talos renders: its ID (the
+// k8s.Manifest resource's) and its objects, in Talos's order.
+type manifest struct {
+	id   string
+	objs []kruntime.Object
+}
+
+// bootstrapManifests are the manifests Talos's ManifestController renders
+// from a control plane's configuration that the simulator models:
+// kube-proxy (10-kube-proxy, while cluster.proxy is enabled) and CoreDNS
+// (11-core-dns and 11-core-dns-svc, while cluster.coreDNS is enabled).
+// Talos also renders the kubelet bootstrap token, CSR RBAC, the in-cluster
+// kubeconfig, Talos's node RBAC, flannel and its ServiceAccount CRD; the
+// simulator leaves those out.
+func bootstrapManifests(c talosconfig.ClusterConfig) []manifest {
+	var out []manifest
+	if c.CoreDNS().Enabled() {
+		ips, _ := c.Network().DNSServiceIPs()
+		ip := ""
+		if len(ips) > 0 {
+			ip = ips[0].String()
+		}
+		out = append(out,
+			manifest{"11-core-dns", coreDNSObjects(c.CoreDNS().Image(), c.Network().DNSDomain())},
+			manifest{"11-core-dns-svc", []kruntime.Object{coreDNSService(ip)}})
+	}
+	if c.Proxy().Enabled() {
+		out = append(out, manifest{"10-kube-proxy", kubeProxyObjects(c.Proxy().Image(), proxyArgs(c))})
+	}
+	return out
+}
+
+// renderManifests is Talos's ManifestController on a control plane: one
+// k8s.Manifest resource (namespace controlplane) per bootstrap manifest,
+// its objects as unstructured maps; those no longer rendered are removed.
+func (m *Machine) renderManifests() {
+	cfg := m.Config()
+	if m.spec.Role != ControlPlane || cfg == nil || cfg.Cluster() == nil {
+		return
+	}
+	m.renderMu.Lock()
+	defer m.renderMu.Unlock()
+	rendered := map[string]bool{}
+	for _, mf := range bootstrapManifests(cfg.Cluster()) {
+		res := k8s.NewManifest(k8s.ControlPlaneNamespaceName, mf.id)
+		for _, obj := range mf.objs {
+			u, err := kruntime.DefaultUnstructuredConverter.ToUnstructured(obj)
+			if err != nil {
+				m.f.logf("%s: render manifest %s: %v", m.Name(), mf.id, err)
+				continue
+			}
+			res.TypedSpec().Items = append(res.TypedSpec().Items, k8s.SingleManifest{Object: u})
+		}
+		rendered[mf.id] = true
+		m.put(res)
+	}
+	list, err := safe.StateListAll[*k8s.Manifest](context.Background(), m.cosi)
+	if err != nil {
+		return
+	}
+	for r := range list.All() {
+		if !rendered[r.Metadata().ID()] {
+			m.destroy(r.Metadata())
+		}
+	}
+}
+
+// proxyArgs are kube-proxy's flags as Talos renders them: its own, with
+// cluster.proxy.extraArgs over them; the mode is nftables unless set.
+func proxyArgs(c talosconfig.ClusterConfig) []string {
+	mode := cmp.Or(c.Proxy().Mode(), "nftables")
+	return renderArgs(map[string][]string{
+		"cluster-cidr": {strings.Join(c.Network().PodCIDRs(), ",")}, "hostname-override": {"$(NODE_NAME)"},
+		"kubeconfig": {"/etc/kubernetes/kubeconfig"}, "proxy-mode": {mode}, "conntrack-max-per-core": {"0"},
+	}, argValues(c.Proxy().ExtraArgs()))
+}
+
+// kubeProxyObjects are Talos's 10-kube-proxy: the DaemonSet, its
+// ServiceAccount and ClusterRoleBinding.
+func kubeProxyObjects(image string, args []string) []kruntime.Object {
+	labels := map[string]string{"tier": "node", "k8s-app": "kube-proxy"}
+	ds := &appsv1.DaemonSet{
+		TypeMeta:   metav1.TypeMeta{Kind: "DaemonSet", APIVersion: "apps/v1"},
+		ObjectMeta: metav1.ObjectMeta{Name: "kube-proxy", Namespace: metav1.NamespaceSystem, Labels: labels},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			UpdateStrategy: appsv1.DaemonSetUpdateStrategy{Type: appsv1.RollingUpdateDaemonSetStrategyType,
+				RollingUpdate: &appsv1.RollingUpdateDaemonSet{MaxUnavailable: ptr.To(intstr.FromInt(1))}},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{
+					Containers: []corev1.Container{{Name: "kube-proxy", Image: image,
+						Command: append([]string{"/usr/local/bin/kube-proxy"}, args...),
+						Env: []corev1.EnvVar{
+							{Name: "NODE_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "spec.nodeName"}}},
+							{Name: "POD_IP", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "status.podIP"}}},
+						},
+						SecurityContext: &corev1.SecurityContext{Privileged: ptr.To(true)},
+					}},
+					HostNetwork: true, PriorityClassName: "system-cluster-critical", ServiceAccountName: "kube-proxy",
+					Tolerations: []corev1.Toleration{
+						{Effect: corev1.TaintEffectNoSchedule, Operator: corev1.TolerationOpExists},
+						{Effect: corev1.TaintEffectNoExecute, Operator: corev1.TolerationOpExists},
+					},
+				},
+			},
+		},
+	}
+	sa := &corev1.ServiceAccount{TypeMeta: metav1.TypeMeta{Kind: "ServiceAccount", APIVersion: "v1"},
+		ObjectMeta: metav1.ObjectMeta{Name: "kube-proxy", Namespace: metav1.NamespaceSystem}}
+	crb := &rbacv1.ClusterRoleBinding{TypeMeta: metav1.TypeMeta{Kind: "ClusterRoleBinding", APIVersion: "rbac.authorization.k8s.io/v1"},
+		ObjectMeta: metav1.ObjectMeta{Name: "kube-proxy"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "kube-proxy", Namespace: metav1.NamespaceSystem}},
+		RoleRef:    rbacv1.RoleRef{Kind: "ClusterRole", Name: "system:node-proxier", APIGroup: rbacv1.GroupName}}
+	return []kruntime.Object{ds, sa, crb}
+}
+
+// coreDNSObjects are Talos's 11-core-dns: ServiceAccount, ClusterRole,
+// ClusterRoleBinding, the Corefile and the Deployment.
+func coreDNSObjects(image, domain string) []kruntime.Object {
+	rbacMeta := func(name string) metav1.ObjectMeta {
+		return metav1.ObjectMeta{Name: name, Labels: map[string]string{"kubernetes.io/bootstrapping": "rbac-defaults"}}
+	}
+	crbMeta := rbacMeta("system:coredns")
+	crbMeta.Annotations = map[string]string{"rbac.authorization.kubernetes.io/autoupdate": "true"}
+	corefile := fmt.Sprintf(".:53 {\n    errors\n    health {\n        lameduck 5s\n    }\n    ready\n    log . {\n        class error\n    }\n"+
+		"    prometheus :9153\n    kubernetes %[1]s in-addr.arpa ip6.arpa {\n        pods insecure\n        fallthrough in-addr.arpa ip6.arpa\n        ttl 30\n    }\n"+
+		"    forward . /etc/resolv.conf {\n       max_concurrent 1000\n    }\n    cache 30 {\n       disable success %[1]s\n       disable denial %[1]s\n    }\n"+
+		"    loop\n    reload\n    loadbalance\n}\n", domain)
+	sel := map[string]string{"k8s-app": "kube-dns"}
+	deploy := &appsv1.Deployment{
+		TypeMeta:   metav1.TypeMeta{Kind: "Deployment", APIVersion: "apps/v1"},
+		ObjectMeta: metav1.ObjectMeta{Name: "coredns", Namespace: metav1.NamespaceSystem, Labels: map[string]string{"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"}},
+		Spec: appsv1.DeploymentSpec{
+			Replicas: ptr.To(int32(2)),
+			Strategy: appsv1.DeploymentStrategy{Type: appsv1.RollingUpdateDeploymentStrategyType,
+				RollingUpdate: &appsv1.RollingUpdateDeployment{MaxUnavailable: ptr.To(intstr.FromInt(1))}},
+			Selector: &metav1.LabelSelector{MatchLabels: sel},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: sel},
+				Spec: corev1.PodSpec{
+					NodeSelector:       map[string]string{"kubernetes.io/os": "linux"},
+					ServiceAccountName: "coredns", PriorityClassName: "system-cluster-critical", DNSPolicy: corev1.DNSDefault,
+					Tolerations: []corev1.Toleration{
+						{Key: "node-role.kubernetes.io/control-plane", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
+						{Key: "node.cloudprovider.kubernetes.io/uninitialized", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
+					},
+					Containers: []corev1.Container{{Name: "coredns", Image: image, ImagePullPolicy: corev1.PullIfNotPresent,
+						Args:         []string{"-conf", "/etc/coredns/Corefile"},
+						VolumeMounts: []corev1.VolumeMount{{Name: "config-volume", MountPath: "/etc/coredns", ReadOnly: true}},
+						Ports: []corev1.ContainerPort{{Name: "dns", Protocol: corev1.ProtocolUDP, ContainerPort: 53},
+							{Name: "dns-tcp", Protocol: corev1.ProtocolTCP, ContainerPort: 53}, {Name: "metrics", Protocol: corev1.ProtocolTCP, ContainerPort: 9153}},
+					}},
+					Volumes: []corev1.Volume{{Name: "config-volume", VolumeSource: corev1.VolumeSource{ConfigMap: &corev1.ConfigMapVolumeSource{
+						LocalObjectReference: corev1.LocalObjectReference{Name: "coredns"}, Items: []corev1.KeyToPath{{Key: "Corefile", Path: "Corefile"}}}}}},
+				},
+			},
+		},
+	}
+	return []kruntime.Object{
+		&corev1.ServiceAccount{TypeMeta: metav1.TypeMeta{Kind: "ServiceAccount", APIVersion: "v1"},
+			ObjectMeta: metav1.ObjectMeta{Name: "coredns", Namespace: metav1.NamespaceSystem}},
+		&rbacv1.ClusterRole{TypeMeta: metav1.TypeMeta{Kind: "ClusterRole", APIVersion: "rbac.authorization.k8s.io/v1"}, ObjectMeta: rbacMeta("system:coredns"),
+			Rules: []rbacv1.PolicyRule{
+				{APIGroups: []string{""}, Resources: []string{"endpoints", "services", "pods", "namespaces"}, Verbs: []string{"list", "watch"}},
+				{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"list", "watch"}},
+			}},
+		&rbacv1.ClusterRoleBinding{TypeMeta: metav1.TypeMeta{Kind: "ClusterRoleBinding", APIVersion: "rbac.authorization.k8s.io/v1"}, ObjectMeta: crbMeta,
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "system:coredns"},
+			Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "coredns", Namespace: metav1.NamespaceSystem}}},
+		&corev1.ConfigMap{TypeMeta: metav1.TypeMeta{Kind: "ConfigMap", APIVersion: "v1"},
+			ObjectMeta: metav1.ObjectMeta{Name: "coredns", Namespace: metav1.NamespaceSystem}, Data: map[string]string{"Corefile": corefile}},
+		deploy,
+	}
+}
+
+// coreDNSService is Talos's 11-core-dns-svc: kube-dns at the cluster's DNS
+// service IP.
+func coreDNSService(ip string) kruntime.Object {
+	svc := &corev1.Service{
+		TypeMeta: metav1.TypeMeta{Kind: "Service", APIVersion: "v1"},
+		ObjectMeta: metav1.ObjectMeta{Name: "kube-dns", Namespace: metav1.NamespaceSystem,
+			Annotations: map[string]string{"prometheus.io/scrape": "true", "prometheus.io/port": "9153"},
+			Labels:      map[string]string{"k8s-app": "kube-dns", "kubernetes.io/cluster-service": "true", "kubernetes.io/name": "CoreDNS"}},
+		Spec: corev1.ServiceSpec{
+			Selector: map[string]string{"k8s-app": "kube-dns"}, ClusterIP: ip,
+			Ports: []corev1.ServicePort{
+				{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt(53)},
+				{Name: "dns-tcp", Port: 53, Protocol: corev1.ProtocolTCP, TargetPort: intstr.FromInt(53)},
+				{Name: "metrics", Port: 9153, Protocol: corev1.ProtocolTCP, TargetPort: intstr.FromInt(9153)},
+			},
+			IPFamilyPolicy: ptr.To(corev1.IPFamilyPolicySingleStack),
+		},
+	}
+	if ip != "" {
+		svc.Spec.ClusterIPs, svc.Spec.IPFamilies = []string{ip}, []corev1.IPFamily{corev1.IPv4Protocol}
+	}
+	return svc
+}
+
 // kubeProxyManifest is what Talos's ManifestApplyController does with the
 // kube-proxy bootstrap manifest (10-kube-proxy) when Spec.KubeProxy is set:
 // while a running control plane's configuration leaves cluster.proxy
 // enabled, its DaemonSet, ServiceAccount and ClusterRoleBinding are created
 // if missing (never updated, never deleted: disabling the proxy leaves
-// them) and recorded in the inventory ConfigMap under go-kubernetes' keys.
+// them), annotated with the inventory and recorded in the inventory
+// ConfigMap under go-kubernetes' keys. (Talos applies every bootstrap
+// manifest so; the simulator applies kube-proxy's only, and leaves the
+// others to a manifest sync.)
 func (k *kube) kubeProxyManifest(m *Machine) {
 	if k == nil || !k.f.spec.KubeProxy || m.spec.Role != ControlPlane || k.f.ctx.Err() != nil {
 		return
@@ -42,45 +253,32 @@ func (k *kube) syncKubeProxy(m *Machine) {
 	}
 	ctx, cancel := k.ctx()
 	defer cancel()
-	if err := k.applyKubeProxy(ctx, cfg.Cluster().Proxy().Image()); err != nil {
+	if err := k.applyKubeProxy(ctx, kubeProxyObjects(cfg.Cluster().Proxy().Image(), proxyArgs(cfg.Cluster()))); err != nil {
 		k.f.logf("%s: kube-proxy manifest: %v", m.Name(), err)
 	}
 }
 
-func (k *kube) applyKubeProxy(ctx context.Context, image string) error {
+func (k *kube) applyKubeProxy(ctx context.Context, objs []kruntime.Object) error {
 	ns := metav1.NamespaceSystem
-	meta := metav1.ObjectMeta{Name: "kube-proxy", Labels: map[string]string{"k8s-app": "kube-proxy", "tier": "node"},
-		Annotations: map[string]string{owningInventoryAnno: inventoryName}}
-	sa := &corev1.ServiceAccount{ObjectMeta: *meta.DeepCopy()}
-	sa.Namespace = ns
-	crb := &rbacv1.ClusterRoleBinding{ObjectMeta: *meta.DeepCopy(),
-		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "system:node-proxier"},
-		Subjects: []rbacv1.Subject{{Kind: "ServiceAccount", Name: "kube-proxy", Namespace: ns}}}
-	ds := &appsv1.DaemonSet{ObjectMeta: *meta.DeepCopy()}
-	ds.Namespace = ns
-	ds.Spec.Selector = &metav1.LabelSelector{MatchLabels: map[string]string{"k8s-app": "kube-proxy"}}
-	ds.Spec.Template.Labels = map[string]string{"k8s-app": "kube-proxy", "tier": "node"}
-	ds.Spec.Template.Spec = corev1.PodSpec{
-		ServiceAccountName: "kube-proxy", HostNetwork: true, PriorityClassName: "system-node-critical",
-		Tolerations: []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
-		Containers: []corev1.Container{{Name: "kube-proxy", Image: image,
-			Command: []string{"/usr/local/bin/kube-proxy", "--proxy-mode=nftables"}}},
-	}
-	created := map[string]error{
-		"_kube-proxy__ServiceAccount": ignoreExists(k.cs.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{})),
-		"_kube-proxy_rbac.authorization.k8s.io_ClusterRoleBinding": ignoreExists(
-			k.cs.RbacV1().ClusterRoleBindings().Create(ctx, crb, metav1.CreateOptions{})),
-		"_kube-proxy_apps_DaemonSet": ignoreExists(k.cs.AppsV1().DaemonSets(ns).Create(ctx, ds, metav1.CreateOptions{})),
-	}
 	keys := map[string]any{}
-	for key, err := range created {
-		if err != nil {
+	for _, obj := range objs {
+		o := obj.(metav1.Object)
+		o.SetAnnotations(map[string]string{owningInventoryAnno: inventoryName})
+		var err error
+		switch obj := obj.(type) {
+		case *appsv1.DaemonSet:
+			_, err = k.cs.AppsV1().DaemonSets(ns).Create(ctx, obj, metav1.CreateOptions{})
+			keys[ns+"_kube-proxy_apps_DaemonSet"] = ""
+		case *corev1.ServiceAccount:
+			_, err = k.cs.CoreV1().ServiceAccounts(ns).Create(ctx, obj, metav1.CreateOptions{})
+			keys[ns+"_kube-proxy__ServiceAccount"] = ""
+		case *rbacv1.ClusterRoleBinding:
+			_, err = k.cs.RbacV1().ClusterRoleBindings().Create(ctx, obj, metav1.CreateOptions{})
+			keys["_kube-proxy_rbac.authorization.k8s.io_ClusterRoleBinding"] = ""
+		}
+		if err != nil && !apierrors.IsAlreadyExists(err) {
 			return err
 		}
-		if key != "_kube-proxy_rbac.authorization.k8s.io_ClusterRoleBinding" {
-			key = ns + key
-		}
-		keys[key] = ""
 	}
 	patch, _ := json.Marshal(map[string]any{"data": keys})
 	_, err := k.cs.CoreV1().ConfigMaps(ns).Patch(ctx, inventoryName, types.MergePatchType, patch, metav1.PatchOptions{})
@@ -95,11 +293,4 @@ func (k *kube) applyKubeProxy(ctx context.Context, image string) error {
 		return fmt.Errorf("record kube-proxy in %s: %w", inventoryName, err)
 	}
 	return nil
-}
-
-func ignoreExists[T any](_ T, err error) error {
-	if apierrors.IsAlreadyExists(err) {
-		return nil
-	}
-	return err
 }

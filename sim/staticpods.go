@@ -4,17 +4,22 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"maps"
+	"reflect"
+	"slices"
 	"strings"
 	"time"
 
 	"github.com/cosi-project/runtime/pkg/resource"
 	"github.com/cosi-project/runtime/pkg/resource/meta"
-	"github.com/siderolabs/talos/pkg/machinery/config"
+	"github.com/cosi-project/runtime/pkg/safe"
+	talosconfig "github.com/siderolabs/talos/pkg/machinery/config/config"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -22,36 +27,92 @@ import (
 // on every control plane, with the COSI resource its configuration is
 // rendered into (whose version is the pod's talos.dev/config-version).
 type staticPod struct {
-	id       string
-	image    func(config.Provider) string
-	resource func(image string) resource.Resource
+	id string
+	// config is the component's configuration resource, rendered from the
+	// machine configuration (its image and extraArgs).
+	config func(talosconfig.ClusterConfig) resource.Resource
+	// args are those Talos sets itself; extraArgs are merged over them.
+	args map[string][]string
 }
 
 // staticPodComponents are Talos's control-plane static pods, in the order
 // Talos renders them.
 var staticPodComponents = []staticPod{
-	{k8s.APIServerID, func(c config.Provider) string { return c.Cluster().APIServer().Image() }, func(image string) resource.Resource {
+	{k8s.APIServerID, func(c talosconfig.ClusterConfig) resource.Resource {
 		r := k8s.NewAPIServerConfig()
-		r.TypedSpec().Image = image
+		r.TypedSpec().Image, r.TypedSpec().ExtraArgs = c.APIServer().Image(), argValues(c.APIServer().ExtraArgs())
 		return r
+	}, map[string][]string{
+		"allow-privileged": {"true"}, "anonymous-auth": {"false"}, "enable-admission-plugins": {"NodeRestriction"},
+		"authorization-config": {"/system/config/kubernetes/kube-apiserver/authorization-config.yaml"},
 	}},
-	{k8s.ControllerManagerID, func(c config.Provider) string { return c.Cluster().ControllerManager().Image() }, func(image string) resource.Resource {
+	{k8s.ControllerManagerID, func(c talosconfig.ClusterConfig) resource.Resource {
 		r := k8s.NewControllerManagerConfig()
-		r.TypedSpec().Enabled, r.TypedSpec().Image = true, image
+		r.TypedSpec().Enabled, r.TypedSpec().Image = true, c.ControllerManager().Image()
+		r.TypedSpec().ExtraArgs = argValues(c.ControllerManager().ExtraArgs())
 		return r
+	}, map[string][]string{
+		"allocate-node-cidrs": {"true"}, "controllers": {"*", "tokencleaner"}, "use-service-account-credentials": {"true"},
 	}},
-	{k8s.SchedulerID, func(c config.Provider) string { return c.Cluster().Scheduler().Image() }, func(image string) resource.Resource {
+	{k8s.SchedulerID, func(c talosconfig.ClusterConfig) resource.Resource {
 		r := k8s.NewSchedulerConfig()
-		r.TypedSpec().Enabled, r.TypedSpec().Image = true, image
+		r.TypedSpec().Enabled, r.TypedSpec().Image = true, c.Scheduler().Image()
+		r.TypedSpec().ExtraArgs = argValues(c.Scheduler().ExtraArgs())
 		return r
+	}, map[string][]string{
+		"config": {"/system/config/kubernetes/kube-scheduler/scheduler-config.yaml"},
 	}},
 }
 
+func argValues(in map[string][]string) map[string]k8s.ArgValues {
+	out := make(map[string]k8s.ArgValues, len(in))
+	for k, v := range in {
+		out[k] = k8s.ArgValues{Values: v}
+	}
+	return out
+}
+
+// additiveArgs are the flags whose extraArgs Talos adds to its own values
+// (argsbuilder.MergeAdditive) instead of replacing them.
+var additiveArgs = map[string]bool{
+	"enable-admission-plugins": true, "feature-gates": true, "authorization-mode": true,
+	"tls-cipher-suites": true, "controllers": true, "service-cluster-ip-range": true,
+}
+
+// renderArgs is Talos's argsbuilder: base merged with extra (additive
+// flags joined by commas), one --flag=value per value, flags sorted.
+func renderArgs(base map[string][]string, extra map[string]k8s.ArgValues) []string {
+	merged := map[string][]string{}
+	for k, v := range base {
+		merged[k] = []string{strings.Join(v, ",")}
+	}
+	for k, v := range extra {
+		if cur, ok := merged[k]; ok && additiveArgs[k] {
+			merged[k] = []string{strings.Join(append(cur, v.Values...), ",")}
+			continue
+		}
+		merged[k] = v.Values
+	}
+	keys := slices.Sorted(maps.Keys(merged))
+	var out []string
+	for _, k := range keys {
+		for _, v := range merged[k] {
+			out = append(out, "--"+k+"="+v)
+		}
+	}
+	return out
+}
+
 // The control planes serve their components' configuration resources
-// (namespace controlplane) through COSI, as Talos does.
+// (namespace controlplane), their StaticPods and KubeletSpec (namespace
+// k8s) and the bootstrap Manifests (namespace controlplane) through COSI,
+// as Talos does.
 func init() {
-	for _, c := range staticPodComponents {
-		r := c.resource("")
+	for _, r := range []resource.Resource{
+		k8s.NewAPIServerConfig(), k8s.NewControllerManagerConfig(), k8s.NewSchedulerConfig(),
+		k8s.NewStaticPod(k8s.NamespaceName, ""), k8s.NewKubeletSpec(k8s.NamespaceName, k8s.KubeletID),
+		k8s.NewManifest(k8s.ControlPlaneNamespaceName, ""),
+	} {
 		rd := r.(meta.ResourceDefinitionProvider).ResourceDefinition()
 		cosiTypes[r.Metadata().Type()] = rd.Sensitivity == meta.Sensitive
 	}
@@ -134,19 +195,92 @@ func (k *kube) waitGone(ctx context.Context, name string, old *corev1.Pod) {
 	}
 }
 
-// mirrorPod is the mirror pod of one component of a control plane, as
-// Talos renders the static pod (labels, annotations, priority, host
-// network) and the kubelet mirrors it (config annotations, owned by the
-// Node).
+// mirrorPod is the mirror pod of one component of a control plane: the
+// static pod Talos rendered (renderStaticPod) as the kubelet mirrors it
+// (config annotations, owned by the Node, NoExecute tolerated).
 func (k *kube) mirrorPod(m *Machine, c staticPod, node types.UID) *corev1.Pod {
-	image := c.image(m.Config())
-	version := m.staticPodVersion(c, image)
-	sum := sha256.Sum256([]byte(c.id + "|" + image + "|" + version))
+	pod := m.renderStaticPod(c)
+	if pod == nil {
+		return nil
+	}
+	image := pod.Spec.Containers[0].Image
+	sum := sha256.Sum256([]byte(c.id + "|" + image + "|" + pod.Annotations[constants.AnnotationStaticPodConfigVersion]))
 	hash := hex.EncodeToString(sum[:16])
 	yes := true
+	pod.TypeMeta = metav1.TypeMeta{}
+	pod.Name = c.id + "-" + m.Name()
+	pod.Annotations["kubernetes.io/config.hash"] = hash
+	pod.Annotations[corev1.MirrorPodAnnotationKey] = hash
+	pod.Annotations["kubernetes.io/config.seen"] = time.Now().UTC().Format(time.RFC3339Nano)
+	pod.Annotations["kubernetes.io/config.source"] = "file"
+	pod.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: m.Name(), UID: node, Controller: &yes}}
+	pod.Spec.NodeName = m.Name()
+	pod.Spec.Tolerations = []corev1.Toleration{{Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute}}
+	return pod
+}
+
+// renderStaticPods renders every component of a control plane (Talos's
+// control-plane controllers do so as its configuration changes).
+func (m *Machine) renderStaticPods() {
+	if m.spec.Role != ControlPlane {
+		return
+	}
+	for _, c := range staticPodComponents {
+		m.renderStaticPod(c)
+	}
+}
+
+// renderStaticPod is what Talos's ControlPlaneStaticPodController does for
+// one component: its configuration resource follows the active
+// configuration (a new version when the image or extraArgs changed), and
+// the StaticPod resource (namespace k8s, ID the component) is the pod
+// rendered from it, annotated with that version. It returns the pod, nil
+// if the machine has no cluster configuration.
+func (m *Machine) renderStaticPod(c staticPod) *corev1.Pod {
+	cfg := m.Config()
+	if cfg == nil || cfg.Cluster() == nil {
+		return nil
+	}
+	m.renderMu.Lock()
+	defer m.renderMu.Unlock()
+	ctx := context.Background()
+	want := c.config(cfg.Cluster())
+	cur, err := m.cosi.Get(ctx, want.Metadata())
+	if err != nil || !reflect.DeepEqual(cur.Spec(), want.Spec()) {
+		m.put(want)
+		if cur, err = m.cosi.Get(ctx, want.Metadata()); err != nil {
+			return nil
+		}
+	}
+	pod := staticPodOf(c, cur)
+	sp, err := safe.StateGetByID[*k8s.StaticPod](ctx, m.cosi, c.id)
+	if err == nil && sp.TypedSpec().Pod != nil {
+		if prev, ok := sp.TypedSpec().Pod["metadata"].(map[string]any); ok {
+			if ann, ok := prev["annotations"].(map[string]any); ok && ann[constants.AnnotationStaticPodConfigVersion] == pod.Annotations[constants.AnnotationStaticPodConfigVersion] {
+				return pod
+			}
+		}
+	}
+	obj, err := kruntime.DefaultUnstructuredConverter.ToUnstructured(pod)
+	if err != nil {
+		m.f.logf("%s: render static pod %s: %v", m.Name(), c.id, err)
+		return pod
+	}
+	res := k8s.NewStaticPod(k8s.NamespaceName, c.id)
+	res.TypedSpec().Pod = obj
+	m.put(res)
+	return pod
+}
+
+// staticPodOf is the static pod Talos renders from a component's
+// configuration resource: labelled and annotated as Talos's, the command
+// its flags merged with extraArgs.
+func staticPodOf(c staticPod, cfg resource.Resource) *corev1.Pod {
+	image, extra := resourceImage(cfg), resourceArgs(cfg)
 	return &corev1.Pod{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
 		ObjectMeta: metav1.ObjectMeta{
-			Name:      c.id + "-" + m.Name(),
+			Name:      c.id,
 			Namespace: metav1.NamespaceSystem,
 			Labels: map[string]string{
 				"tier":                         "control-plane",
@@ -159,37 +293,16 @@ func (k *kube) mirrorPod(m *Machine, c staticPod, node types.UID) *corev1.Pod {
 			},
 			Annotations: map[string]string{
 				constants.AnnotationStaticPodSecretsVersion: "1",
-				constants.AnnotationStaticPodConfigVersion:  version,
-				"kubernetes.io/config.hash":                 hash,
-				corev1.MirrorPodAnnotationKey:               hash,
-				"kubernetes.io/config.seen":                 time.Now().UTC().Format(time.RFC3339Nano),
-				"kubernetes.io/config.source":               "file",
+				constants.AnnotationStaticPodConfigVersion:  cfg.Metadata().Version().String(),
 			},
-			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: m.Name(), UID: node, Controller: &yes}},
 		},
 		Spec: corev1.PodSpec{
-			NodeName:          m.Name(),
 			HostNetwork:       true,
 			PriorityClassName: "system-cluster-critical",
-			Containers:        []corev1.Container{{Name: c.id, Image: image, Command: []string{"/usr/local/bin/" + c.id}}},
-			Tolerations:       []corev1.Toleration{{Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute}},
+			Containers: []corev1.Container{{Name: c.id, Image: image,
+				Command: append([]string{"/usr/local/bin/" + c.id}, renderArgs(c.args, extra)...)}},
 		},
 	}
-}
-
-// staticPodVersion is the version of the component's configuration
-// resource, rendered anew (a new version) when its image changed.
-func (m *Machine) staticPodVersion(c staticPod, image string) string {
-	want := c.resource(image)
-	cur, err := m.cosi.Get(context.Background(), want.Metadata())
-	if err == nil && resourceImage(cur) == image {
-		return cur.Metadata().Version().String()
-	}
-	m.put(want)
-	if cur, err = m.cosi.Get(context.Background(), want.Metadata()); err != nil {
-		return "1"
-	}
-	return cur.Metadata().Version().String()
 }
 
 func resourceImage(r resource.Resource) string {
@@ -202,4 +315,16 @@ func resourceImage(r resource.Resource) string {
 		return r.TypedSpec().Image
 	}
 	return ""
+}
+
+func resourceArgs(r resource.Resource) map[string]k8s.ArgValues {
+	switch r := r.(type) {
+	case *k8s.APIServerConfig:
+		return r.TypedSpec().ExtraArgs
+	case *k8s.ControllerManagerConfig:
+		return r.TypedSpec().ExtraArgs
+	case *k8s.SchedulerConfig:
+		return r.TypedSpec().ExtraArgs
+	}
+	return nil
 }
