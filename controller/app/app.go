@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/selection"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
@@ -198,15 +199,25 @@ func cacheOptions(ns string) cache.Options {
 			},
 			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{ns: {}}},
 			&corev1.Node{}:          {Transform: slimNode},
-			// Only the API server's static pods, whose image tags are the
-			// control plane's Kubernetes version; drains list pods live.
+			// Only the control-plane static pods, whose image tags are the
+			// control plane's Kubernetes version; drains list pods live,
+			// and so does preflight kube-proxy's pods, one per machine.
 			&corev1.Pod{}: {
 				Namespaces: map[string]cache.Config{"kube-system": {}},
-				Label:      labels.SelectorFromSet(labels.Set{"k8s-app": "kube-apiserver"}),
+				Label:      controlPlanePods,
 			},
 		},
 	}
 }
+
+// controlPlanePods selects the control-plane mirror pods.
+var controlPlanePods = func() labels.Selector {
+	r, err := labels.NewRequirement("k8s-app", selection.In, []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"})
+	if err != nil {
+		panic(err)
+	}
+	return labels.NewSelector().Add(*r)
+}()
 
 // slimNode drops what Ichor never reads from a Node and what makes most of
 // a real Node's size: the images on it and its volumes.

@@ -97,6 +97,10 @@ func gather(r *report, machines []Machine, c Cluster) facts {
 			unreadable = append(unreadable, fmt.Sprintf("Cilium %q", c.Cilium))
 		}
 	}
+	if len(c.Unreadable) > 0 {
+		r.add(VersionsReadable, fmt.Sprintf("Ichor cannot read %s, so it cannot check for removed feature gates, flags and APIs; "+
+			"make those machines answer the Talos API or leave them out with spec.machines", andList(c.Unreadable, 5)))
+	}
 	if len(unreadable) > 0 {
 		r.add(VersionsReadable, fmt.Sprintf("Ichor cannot read %s, so it cannot check them; fix what the Nodes report "+
 			"(status.nodeInfo.osImage and kubeletVersion) or leave those machines out with spec.machines", andList(unreadable, 5)))

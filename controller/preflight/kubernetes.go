@@ -48,6 +48,9 @@ func checkKubernetes(r *report, up *v1alpha1.KubernetesUpgrade, c Cluster, t *co
 		}
 	}
 	checkKubeletSkew(r, target, f.kubelets, f.machines)
+	if cp := f.controlPlane; cp != nil {
+		checkRemoved(r, RemovedBetween(cp.MajorMinor(), target.MajorMinor()), c)
+	}
 	if len(talosFor) == 0 {
 		return
 	}

@@ -40,6 +40,9 @@ const (
 	KubernetesMinorSkip      = "KubernetesMinorSkip"
 	KubernetesTalosSupported = "KubernetesTalosSupported"
 	KubeletSkew              = "KubeletSkew"
+	// KubernetesRemovedItems: nothing the upgrade removes (feature gates,
+	// flags, API resources; removed.yaml) is still in use.
+	KubernetesRemovedItems = "KubernetesRemovedItems"
 
 	CiliumChartShipped = "CiliumChartShipped"
 	CiliumVersionNewer = "CiliumVersionNewer"
@@ -59,7 +62,7 @@ var Checks = []string{
 	TalosVersionFinal, TalosVersionKnown, TalosVersionNewer, TalosMinorSkip, TalosUpgradeableFrom,
 	TalosKubernetesSupported,
 	KubernetesVersionFinal, KubernetesVersionKnown, KubernetesVersionNewer, KubernetesMinorSkip,
-	KubernetesTalosSupported, KubeletSkew,
+	KubernetesTalosSupported, KubeletSkew, KubernetesRemovedItems,
 	CiliumChartShipped, CiliumVersionNewer, CiliumMinorSkip,
 	IchorVersionValid, IchorVersionFinal, IchorVersionNewer,
 	CompatibilityTable,
@@ -95,9 +98,20 @@ type Cluster struct {
 	// Others are the Nodes out of scope. They keep their versions, so their
 	// Talos must support a new Kubernetes and their kubelets count for skew.
 	Others []Machine
-	// ControlPlane is the lowest Kubernetes version the control plane runs
-	// (the API server, controller manager and scheduler), "v1.35.2".
+	// ControlPlane is the Kubernetes version the cluster runs, "v1.35.2":
+	// the lowest among the control-plane mirror pods and kube-proxy
+	// (RunningKubernetes), as talosctl upgrade-k8s detects it.
 	ControlPlane string
+	// Configured is what the configurations of the machines in scope give
+	// the components (ConfiguredIn each), for kind kubernetes.
+	Configured []Configured
+	// InUse counts the objects stored in each API resource the upgrade
+	// removes, by "resource.version.group", for kind kubernetes.
+	InUse map[string]int
+	// Unreadable names what the controller could not read for the
+	// removed-items checks ("the configuration of cp-1: ..."): reported
+	// under VersionsReadable.
+	Unreadable []string
 	// Cilium is the version of the Cilium Ichor installed, "" when it
 	// installed none. For kind cni, the Cilium that runs.
 	Cilium string
