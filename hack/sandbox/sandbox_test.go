@@ -184,7 +184,7 @@ func TestInterrupt(t *testing.T) {
 	}
 
 	// A second sandbox on the same directory is refused and changes nothing.
-	o, err := parseFlags([]string{"--dir", dir}, io.Discard)
+	o, err := parseFlags([]string{"--dir", dir, "--controller", filepath.Join(bin, "ichor-controller")}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
