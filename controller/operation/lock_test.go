@@ -386,22 +386,22 @@ func (takenOver) Stale(context.Context, lock.Holder) (lock.Verdict, error) {
 	return lock.Verdict{Stale: true, Why: "judged stale by the test"}, nil
 }
 
-// leaseWriteHook runs once, before the first write of the cluster lock's
-// Lease that goes through the transport once when says so: the write
-// then conflicts with what it runs.
-type leaseWriteHook struct {
-	rt   http.RoundTripper
-	when func() bool
-	run  *atomic.Pointer[func()]
-}
-
-func (h leaseWriteHook) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) && h.when() {
-		if f := h.run.Swap(nil); f != nil {
-			(*f)()
-		}
+// beforeLeaseWrite runs run once, before the first write of the cluster
+// lock's Lease that goes through the transport once when says so: the
+// write then conflicts with what run did.
+func beforeLeaseWrite(when func() bool, run *atomic.Pointer[func()]) controllerOption {
+	return func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) && when() {
+					if f := run.Swap(nil); f != nil {
+						(*f)()
+					}
+				}
+				return rt.RoundTrip(req)
+			})
+		})
 	}
-	return h.rt.RoundTrip(req)
 }
 
 // TestTakeoverBetweenAcquireAndLaunch: another taker takes the lock over
@@ -417,11 +417,7 @@ func TestTakeoverBetweenAcquireAndLaunch(t *testing.T) {
 	release := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "ImageService/Pull"})
 	pulled := func() bool { return len(c.fleet.Recorder().Handled(w1, "Pull")) > 0 }
 	var takeover atomic.Pointer[func()]
-	ctl := c.start(func(_ *app.Options, cfg **rest.Config) {
-		(*cfg).WrapTransport = func(rt http.RoundTripper) http.RoundTripper {
-			return leaseWriteHook{rt: rt, when: pulled, run: &takeover}
-		}
-	})
+	ctl := c.start(beforeLeaseWrite(pulled, &takeover))
 	a := talosSpec("v1.13.7")
 	a.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w1}}
 	c.create("a-upgrade", a)
