@@ -121,13 +121,15 @@
 //
 // An upgrade installs to the inactive slot: the version, schematic and
 // installer image change at the next boot, which also brings a new boot ID.
-// The simulated registry has every installer tagged with a version
-// (factory.talos.dev/<platform>-installer[-secureboot]/<schematic>:<v>, the
-// legacy factory.talos.dev/installer/..., ghcr.io/siderolabs/installer:<v>)
-// except the versions Spec.Unpublished names; anything else is not found
-// (NotFound from ImageService.Pull and the deprecated ImagePull, which
-// pulls into the CRI containerd). A pull of an image already in the store
-// does not download it again.
+// The simulated registry has every image tagged with a version: the
+// installers (factory.talos.dev/<platform>-installer[-secureboot]/<schematic>:<v>,
+// the legacy factory.talos.dev/installer/..., ghcr.io/siderolabs/installer:<v>)
+// and the Kubernetes images (registry.k8s.io/kube-apiserver:<v>,
+// ghcr.io/siderolabs/kubelet:<v>[-fat], ...), except the versions
+// Spec.Unpublished names; anything else is not found (NotFound from
+// ImageService.Pull and the deprecated ImagePull, which pulls into the CRI
+// containerd, in its k8s.io or system namespace as asked). A pull of an
+// image already in the store does not download it again.
 //
 // Talos cordons a Node itself while upgrading (legacy path), shutting down
 // or resetting, only if it was schedulable, with the talos.dev/cordoned

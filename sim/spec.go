@@ -43,9 +43,10 @@ type Spec struct {
 	// Unbootstrapped starts the control planes with empty etcd data, waiting
 	// for a Bootstrap call, instead of as a running etcd cluster.
 	Unbootstrapped bool
-	// Unpublished are Talos versions (e.g. "v1.13.70", a typo) the simulated
-	// registry does not have: pulling their installer is NotFound, as Talos
-	// answers when containerd's resolver finds no such tag.
+	// Unpublished are versions (e.g. "v1.13.70", a typo) the simulated
+	// registry does not have: pulling an image tagged with one (an
+	// installer, a Kubernetes component) is NotFound, as Talos answers when
+	// containerd's resolver finds no such tag.
 	Unpublished []string
 	// Logf, when set, receives one line per notable event (sequences,
 	// faults, errors of the simulated kubelet). Tests pass t.Logf.

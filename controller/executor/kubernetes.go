@@ -25,7 +25,8 @@ import (
 	"maesh.dev/ichor/controller/talos"
 )
 
-// Stages of the kubernetes kind, in the order they run: each control-plane
+// Stages of the kubernetes kind, in the order they run after the pre-pull
+// (StagePrePull): each control-plane
 // component on every control plane before the next component (a
 // controller-manager or scheduler is never newer than an API server), then
 // the kubelets.
@@ -45,7 +46,8 @@ const (
 )
 
 // KubernetesUpgrade moves a cluster's Kubernetes to spec.kubernetes.version
-// as `talosctl upgrade-k8s` does, in stages: kube-apiserver, then
+// as `talosctl upgrade-k8s` does, in stages: the new images pulled on
+// every machine (unless spec.kubernetes.prePullImages is false), then kube-apiserver, then
 // kube-controller-manager, then kube-scheduler, each a control plane at a
 // time (the image in the machine configuration patched with NO_REBOOT, then
 // the wait for the mirror pod to carry the configuration version Talos
@@ -85,18 +87,25 @@ func (KubernetesUpgrade) HonourHold() bool { return true }
 func (KubernetesUpgrade) Check(context.Context, *Env) []string { return nil }
 
 // Stages implements Stager.
-func (KubernetesUpgrade) Stages(*ichorv1.TalosOperation) []ichorv1.StageStatus {
+func (KubernetesUpgrade) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
 	cp := []ichorv1.MachineRole{ichorv1.RoleControlPlane}
-	return []ichorv1.StageStatus{
+	var stages []ichorv1.StageStatus
+	if prePull(op) {
+		stages = append(stages, prePullStage)
+	}
+	return append(stages, []ichorv1.StageStatus{
 		{Name: StageAPIServer, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageControllerManager, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageScheduler, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageKubelet, Order: ichorv1.StageRolling},
-	}
+	}...)
 }
 
 // Steps implements Executor.
 func (KubernetesUpgrade) Steps(op *ichorv1.TalosOperation, _ *ichorv1.MachineStatus) []Step {
+	if op.Status.Stage == StagePrePull {
+		return []Step{pullImagesStep()}
+	}
 	if c, ok := staticPodComponents[op.Status.Stage]; ok {
 		return []Step{imagePatchStep(c.image), podReadyStep(op.Status.Stage, c)}
 	}
@@ -154,6 +163,17 @@ var kubeletImage = image{"machine.kubelet.image",
 		cfg.MachineConfig.MachineKubelet.KubeletImage = ref
 	}, true}
 
+// moved is the image in the machine's active configuration, and the
+// reference it moves to at version.
+func (img image) moved(active config.Provider, version string) (cur, want string, err error) {
+	cur = img.get(active)
+	want, err = retag(cur, version, img.keepSuffix)
+	if err != nil {
+		return cur, "", fmt.Errorf("%s: %w", img.field, err)
+	}
+	return cur, want, nil
+}
+
 func cluster(cfg *v1alpha1.Config) *v1alpha1.ClusterConfig {
 	if cfg.ClusterConfig == nil {
 		cfg.ClusterConfig = &v1alpha1.ClusterConfig{}
@@ -200,10 +220,9 @@ func imagePatchStep(img image) Step {
 		if err != nil {
 			return Outcome{}, configFail(err)
 		}
-		cur := img.get(active)
-		want, err := retag(cur, version, img.keepSuffix)
+		cur, want, err := img.moved(active, version)
 		if err != nil {
-			return Outcome{}, Fail("ImageNotPatched", "%s: %w", img.field, err)
+			return Outcome{}, Fail("ImageNotPatched", "%w", err)
 		}
 		out := Outcome{From: e.Machine.From, To: version, Message: img.field + " " + want}
 		if out.From == "" {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/siderolabs/talos/pkg/machinery/api/common"
 	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -123,7 +124,7 @@ func pullStep() Step {
 		}
 		err = talos.Pull(ctx, e.Talos, e.Address, image)
 		if status.Code(err) == codes.Unimplemented {
-			err = talos.PullLegacy(ctx, e.Talos, e.Address, image)
+			err = talos.PullLegacy(ctx, e.Talos, e.Address, common.ContainerdNamespace_NS_SYSTEM, image)
 		}
 		if err != nil {
 			return Outcome{}, Fail("PullFailed", "the machine was not disturbed: %w", err)

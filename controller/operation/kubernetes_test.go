@@ -22,17 +22,18 @@ import (
 )
 
 // withKubernetes makes the controller carry out the kubernetes kind, which
-// the default registry still refuses (no pre-pull, kube-proxy stage or
+// the default registry still refuses (no kube-proxy stage or
 // removed-items checks yet).
 func withKubernetes(o *app.Options) {
 	o.Executors = executor.Registry{ichorv1.KindKubernetes: executor.KubernetesUpgrade{}}
 }
 
-// TestKubernetesStages: a Kubernetes upgrade moves every control plane's
-// kube-apiserver, then kube-controller-manager, then kube-scheduler mirror
-// pod to the new image and configuration version, then every kubelet,
-// through a controller killed after each image patch on cp-2 (one in every
-// stage) and on w-1, before status records it: each image is applied once
+// TestKubernetesStages: a Kubernetes upgrade pulls the new images, then
+// moves every control plane's kube-apiserver, then kube-controller-manager,
+// then kube-scheduler mirror pod to the new image and configuration
+// version, then every kubelet, through a controller killed after the
+// pre-pull and each image patch on cp-2 (one in every stage) and on w-1,
+// before status records it: each image is applied once
 // per machine, live, and every machine ends on the new versions.
 func TestKubernetesStages(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 2, 2))
@@ -52,10 +53,11 @@ func TestKubernetesStages(t *testing.T) {
 		hook := func(s operation.StepRun) {
 			mu.Lock()
 			defer mu.Unlock()
-			if s.Step != executor.StepPatchImage || s.Err != nil || (s.Machine != cp2 && s.Machine != w1) {
+			if (s.Step != executor.StepPatchImage && s.Step != executor.StepPullImages) || s.Err != nil || (s.Machine != cp2 && s.Machine != w1) {
 				return
 			}
-			if runs[s.Machine]++; runs[s.Machine]%2 == 1 {
+			key := s.Machine + "/" + s.Step
+			if runs[key]++; runs[key]%2 == 1 {
 				kills++
 				ctl.Load().Kill()
 				close(gone)
@@ -81,8 +83,8 @@ func TestKubernetesStages(t *testing.T) {
 		})
 		ctl.Load().Stop()
 	}
-	if kills != 5 {
-		t.Errorf("%d kills, want 5: four stages on %s, one on %s", kills, cp2, w1)
+	if kills != 7 {
+		t.Errorf("%d kills, want 7: the pre-pull and four stages on %s, the pre-pull and one on %s", kills, cp2, w1)
 	}
 
 	for i, s := range op.Status.Stages {

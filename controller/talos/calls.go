@@ -160,11 +160,13 @@ func Pull(ctx context.Context, c *talosclient.Client, node, image string) error 
 	}
 }
 
-// PullLegacy pulls image into the system containerd through the deprecated
-// MachineService.ImagePull, on hosts without ImageService (below 1.13).
-func PullLegacy(ctx context.Context, c *talosclient.Client, node, image string) error {
-	//nolint:staticcheck // the only pull older hosts have
-	if err := c.ImagePull(talosclient.WithNode(ctx, node), common.ContainerdNamespace_NS_SYSTEM, image); err != nil {
+// PullLegacy pulls image into the containerd namespace ns (NS_SYSTEM for
+// what Talos runs itself, NS_CRI for the Kubernetes pods) through the
+// deprecated MachineService.ImagePull: the pull hosts without ImageService
+// (below 1.13) have, and the one talosctl upgrade-k8s pre-pulls with.
+func PullLegacy(ctx context.Context, c *talosclient.Client, node string, ns common.ContainerdNamespace, image string) error {
+	//nolint:staticcheck // the only pull older hosts have, and talosctl's
+	if err := c.ImagePull(talosclient.WithNode(ctx, node), ns, image); err != nil {
 		return fmt.Errorf("pull %s (legacy MachineService.ImagePull): %w", image, err)
 	}
 	return nil
