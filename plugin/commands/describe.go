@@ -18,6 +18,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	stages "maesh.dev/ichor/controller/plan"
 	"maesh.dev/ichor/plugin/view"
 )
 
@@ -137,13 +138,25 @@ func (e *Env) describe(ctx context.Context, c client.Reader, op *ichorv1.TalosOp
 		}
 	}
 
-	fmt.Fprintln(w, "Machines:")
-	if len(st.Machines) == 0 {
+	machines, title := st.Machines, "Machines:"
+	if len(st.Stages) > 0 {
+		fmt.Fprintln(w, "Stages:")
+		for _, r := range view.StageTable(op, now) {
+			fmt.Fprintf(w, "  %s\n", r)
+		}
+		// The others' phases and steps are those of an earlier stage.
+		machines = view.StageMachines(op)
+		if s, i := stages.Stage(&st); i >= 0 {
+			title = fmt.Sprintf("Machines (stage %s, %d of %d):", view.Clean(s.Name), len(machines), len(st.Machines))
+		}
+	}
+	fmt.Fprintln(w, title)
+	if len(machines) == 0 {
 		fmt.Fprintln(w, "  <none yet>")
 	} else {
 		fmt.Fprintln(w, "  NAME\tROLE\tPHASE\tSTEP\tATTEMPTS\tFROM\tTO\tTIME\tMESSAGE")
-		for i := range st.Machines {
-			m := &st.Machines[i]
+		for i := range machines {
+			m := &machines[i]
 			took := ""
 			if m.StartedAt != nil {
 				end := now

@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/duration"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/plan"
 )
 
 // Options are everything a frame depends on besides the operation.
@@ -62,11 +63,12 @@ type QueuedOperation struct {
 }
 
 // Render draws one frame of the live view of an operation: a header (phase,
-// target, progress, elapsed time, lock, failure and what to do about it) and
-// one row per machine with its step, elapsed time and message.
+// target, progress, elapsed time, the stages of a kind made of stages,
+// lock, failure and what to do about it) and one row per machine (of the
+// stage in progress) with its step, elapsed time and message.
 func Render(op *ichorv1.TalosOperation, o Options) []string {
 	header := renderHeader(op, o)
-	ms := op.Status.Machines
+	ms := StageMachines(op)
 	var rows []line
 	if len(ms) > 0 {
 		avail := 0
@@ -99,17 +101,18 @@ func renderHeader(op *ichorv1.TalosOperation, o Options) []line {
 		title.add(st, " ("+Clean(op.Status.Reason)+")")
 	}
 	title.add(plain, "  "+Target(op))
-	if op.Status.Progress != "" {
+	// An operation made of stages says which stage it is in; the Stages
+	// line names each and its progress.
+	if _, i := plan.Stage(&op.Status); op.Status.Stage != "" && i >= 0 {
+		title.add(plain, fmt.Sprintf("  stage %d/%d", i+1, len(op.Status.Stages)))
+	} else if op.Status.Progress != "" {
 		title.add(plain, "  "+Clean(op.Status.Progress))
-	}
-	if op.Status.Stage != "" {
-		title.add(plain, "  stage "+Clean(op.Status.Stage))
 	}
 	title.add(faint, "  "+elapsed(op, o.Now))
 	if left, ok := TimeLeft(op, o.Now); ok {
 		title.add(faint, ", ~"+human(left)+" left")
 	}
-	lines := []line{title}
+	lines := append([]line{title}, stagesHeader(op, o)...)
 
 	note := func(st style, label, text string) {
 		var l line

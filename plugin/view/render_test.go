@@ -164,7 +164,93 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 
 	s["many"] = fleet(60, 3, 1)
 	s["config-plan"], s["config-running"] = configRollout()
+	for _, at := range []string{"first", "middle", "failed", "done"} {
+		s["stages-"+at] = kubernetesUpgrade(at)
+	}
 	return s
+}
+
+// kubernetesUpgrade is a Kubernetes upgrade, an operation made of stages,
+// as the controller writes it at a point of its run: the pre-pull (the
+// first stage) under way; kube-controller-manager (a middle stage, of the
+// control planes only) under way, the stages before it done; the step of
+// kube-scheduler failed on cp-2; every stage done.
+func kubernetesUpgrade(at string) *ichorv1.TalosOperation {
+	op := baseOp()
+	op.Name, op.Spec.Kind, op.Spec.Talos = "upgrade-k8s-4h2lw", ichorv1.KindKubernetes, nil
+	op.Spec.Kubernetes = &ichorv1.KubernetesUpgrade{Version: "v1.36.2"}
+	cp := []ichorv1.MachineRole{ichorv1.RoleControlPlane}
+	st := &op.Status
+	*st = ichorv1.TalosOperationStatus{
+		Phase: ichorv1.PhaseRunning, Lock: ichorv1.LockHeld, Target: "kubernetes v1.36.2", StartTime: ago(20 * time.Minute), ObservedGeneration: 1,
+		Message: "running",
+		Stages: []ichorv1.StageStatus{
+			{Name: "pre-pull", Order: ichorv1.StageRolling},
+			{Name: "kube-apiserver", Roles: cp, Order: ichorv1.StageOneAtATime},
+			{Name: "kube-controller-manager", Roles: cp, Order: ichorv1.StageOneAtATime},
+			{Name: "kube-scheduler", Roles: cp, Order: ichorv1.StageOneAtATime},
+			{Name: "kubelet", Order: ichorv1.StageRolling},
+		},
+	}
+	k8s := func(name string, role ichorv1.MachineRole, phase ichorv1.MachinePhase, step string, started, finished time.Duration, msg string) ichorv1.MachineStatus {
+		m := machine(name, role, phase, step, started, finished, msg)
+		m.From, m.To = "v1.35.4", "v1.36.2"
+		return m
+	}
+	pulled := func(name string, role ichorv1.MachineRole, n int) ichorv1.MachineStatus {
+		return k8s(name, role, ichorv1.MachineSucceeded, "", 20*time.Minute, 19*time.Minute, fmt.Sprintf("pulled %d image(s)", n))
+	}
+	done := func(i int, progress string) {
+		st.Stages[i].StartedAt, st.Stages[i].FinishedAt, st.Stages[i].Progress = ago(time.Duration(20-3*i)*time.Minute), ago(time.Duration(18-3*i)*time.Minute), progress
+	}
+	switch at {
+	case "first":
+		st.Stage, st.Progress, st.Current = "pre-pull", "1/5", "cp-2"
+		st.StartTime, st.Stages[0].StartedAt = ago(time.Minute), ago(time.Minute)
+		st.Machines = []ichorv1.MachineStatus{
+			k8s("cp-1", ichorv1.RoleControlPlane, ichorv1.MachineSucceeded, "", time.Minute, 40*time.Second, "pulled 4 image(s)"),
+			k8s("cp-2", ichorv1.RoleControlPlane, ichorv1.MachineInProgress, "pull-images", 40*time.Second, 0, "pulling registry.k8s.io/kube-scheduler:v1.36.2"),
+			k8s("cp-3", ichorv1.RoleControlPlane, ichorv1.MachinePending, "", 0, 0, ""),
+			k8s("worker-1", ichorv1.RoleWorker, ichorv1.MachinePending, "", 0, 0, ""),
+			k8s("worker-2", ichorv1.RoleWorker, ichorv1.MachinePending, "", 0, 0, ""),
+		}
+	case "middle", "failed":
+		st.Stage, st.Progress, st.Current = "kube-controller-manager", "1/3", "cp-2"
+		done(0, "5/5")
+		done(1, "3/3")
+		st.Stages[2].StartedAt = ago(12 * time.Minute)
+		st.Machines = []ichorv1.MachineStatus{
+			k8s("cp-1", ichorv1.RoleControlPlane, ichorv1.MachineSucceeded, "", 12*time.Minute, 11*time.Minute, "cluster.controllerManager.image registry.k8s.io/kube-controller-manager:v1.36.2"),
+			k8s("cp-2", ichorv1.RoleControlPlane, ichorv1.MachineInProgress, "pod-ready", 50*time.Second, 0, "waiting for kube-controller-manager-cp-2 to be Ready"),
+			k8s("cp-3", ichorv1.RoleControlPlane, ichorv1.MachinePending, "", 0, 0, ""),
+			pulled("worker-1", ichorv1.RoleWorker, 1),
+			pulled("worker-2", ichorv1.RoleWorker, 1),
+		}
+		if at == "failed" {
+			st.Stage = "kube-scheduler"
+			done(2, "3/3")
+			st.Stages[3].StartedAt = ago(8 * time.Minute)
+			st.Phase, st.Reason, st.FailureReason = ichorv1.PhasePaused, ichorv1.ReasonStepFailed, "PodReadyFailed"
+			st.Message = "paused: a step failed"
+			m := &st.Machines[1]
+			m.Phase, m.FinishedAt = ichorv1.MachineFailed, ago(10*time.Second)
+			m.Message = "timed out after 5m0s: waiting for the mirror pod of kube-scheduler at configuration version 3"
+		}
+	case "done":
+		st.Phase, st.Lock, st.Stage, st.Progress, st.Message = ichorv1.PhaseSucceeded, "", "kubelet", "5/5", "kubernetes v1.36.2 done on 5/5 machine(s)"
+		st.CompletionTime = ago(time.Minute)
+		for i, p := range []string{"5/5", "3/3", "3/3", "3/3", "5/5"} {
+			done(i, p)
+		}
+		for i, name := range []string{"cp-1", "cp-2", "cp-3", "worker-1", "worker-2"} {
+			role := ichorv1.RoleWorker
+			if i < 3 {
+				role = ichorv1.RoleControlPlane
+			}
+			st.Machines = append(st.Machines, k8s(name, role, ichorv1.MachineSucceeded, "", time.Duration(7-i)*time.Minute, time.Duration(6-i)*time.Minute, "machine.kubelet.image ghcr.io/siderolabs/kubelet:v1.36.2"))
+		}
+	}
+	return op
 }
 
 // configRollout is a config rollout in mode auto: created paused, each
@@ -250,6 +336,18 @@ func fleet(n, active, failed int) *ichorv1.TalosOperation {
 	return op
 }
 
+// stagedFleet is a Kubernetes upgrade over n machines in its last stage
+// (the kubelets, every machine), the stages before it done.
+func stagedFleet(n int) *ichorv1.TalosOperation {
+	op := fleet(n, 40, 2)
+	done := kubernetesUpgrade("done")
+	op.Name, op.Spec = done.Name, done.Spec
+	op.Status.Target, op.Status.Stage, op.Status.Stages = done.Status.Target, "kubelet", done.Status.Stages
+	last := &op.Status.Stages[len(op.Status.Stages)-1]
+	last.FinishedAt, last.Progress = nil, ""
+	return op
+}
+
 func golden(t *testing.T, name string, got string) {
 	t.Helper()
 	path := filepath.Join("testdata", name+".golden")
@@ -314,6 +412,7 @@ func TestRenderFolds(t *testing.T) {
 		{"wide-batch-h12", fleet(300, 40, 2), 12, true, false},
 		{"tiny-h5", fleet(60, 3, 1), 5, true, false},
 		{"running-h6", scenarios()["running"], 6, true, false},
+		{"stages-5000-h16", stagedFleet(5000), 16, true, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
