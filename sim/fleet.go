@@ -34,6 +34,7 @@ type Fleet struct {
 	etcd    *etcdCluster
 	rec     *Recorder
 	kube    *kube
+	hosting *hosting // Spec.Hosted
 
 	machines      []*Machine
 	controlPlanes []*Machine
@@ -84,6 +85,12 @@ func Start(ctx context.Context, spec Spec, kube kubernetes.Interface) (*Fleet, e
 			f.controlPlanes = append(f.controlPlanes, m)
 		}
 	}
+	if spec.Hosted != nil {
+		if err := f.startHosting(kube); err != nil {
+			f.Stop()
+			return nil, err
+		}
+	}
 	if err := f.start(ctx, kube); err != nil {
 		f.Stop()
 		return nil, err
@@ -124,6 +131,15 @@ func (f *Fleet) start(ctx context.Context, kc kubernetes.Interface) error {
 	if !f.spec.Unbootstrapped {
 		f.etcd.bootstrapAll(members)
 	}
+	if f.hosting != nil {
+		if err := f.waitAPIServers(ctx); err != nil {
+			return err
+		}
+		var err error
+		if kc, err = kubernetes.NewForConfig(f.hosting.config()); err != nil {
+			return fmt.Errorf("client for the fleet's API endpoint: %w", err)
+		}
+	}
 	if kc == nil {
 		return nil
 	}
@@ -133,6 +149,9 @@ func (f *Fleet) start(ctx context.Context, kc kubernetes.Interface) error {
 		return err
 	}
 	f.kube = k
+	if f.hosting != nil {
+		f.hosting.setKube(k)
+	}
 	if err := k.registerAll(ctx); err != nil {
 		return err
 	}
@@ -157,7 +176,13 @@ func (f *Fleet) Stop() {
 	if f.kube != nil {
 		f.kube.stop()
 	}
+	for _, m := range f.controlPlanes {
+		m.apiServer.stop()
+	}
 	f.wg.Wait()
+	if f.hosting != nil {
+		f.hosting.close()
+	}
 }
 
 // Recorder is the fleet's record of what happened.

@@ -258,6 +258,7 @@ func (m *Machine) revertTry(boot string, to config.Provider) {
 // configuration's labels, annotations and taints.
 func (m *Machine) liveChanged(old, cfg config.Provider) {
 	m.renderConfigured()
+	m.apiServer.ensure()
 	if !reflect.DeepEqual(kubeletInputsOf(old), kubeletInputsOf(cfg)) {
 		m.restartService("kubelet")
 	}

@@ -25,12 +25,18 @@ type Machine struct {
 	cosi    state.State
 	cosiAPI *cosiserver.State
 	ep      *endpoint // control planes only
+	// apiServer is a control plane's kube-apiserver under Spec.Hosted.
+	apiServer *apiServer
 
 	// applyMu serialises ApplyConfiguration as Talos does (TryLock).
 	applyMu sync.Mutex
 	// renderMu serialises rendering the resources Talos's controllers
 	// derive from the configuration (static pods, manifests).
 	renderMu sync.Mutex
+	// secretsKey and secretsVer are the digest and version of the secrets
+	// the static pods were last rendered with (renderMu).
+	secretsKey string
+	secretsVer int
 
 	mu         sync.Mutex
 	up         bool // answering the API
@@ -324,6 +330,9 @@ func (m *Machine) goDown(actor string) {
 	}
 	m.f.etcd.update()
 	m.f.kube.nodeDown(m)
+	// Its kubelet's last word went through its own API server, which
+	// stops with it (the last control plane's takes the API along).
+	m.apiServer.stop()
 	m.f.logf("%s: down", m.Name())
 }
 
@@ -430,6 +439,7 @@ func (m *Machine) boot(actor string) {
 	}
 	m.mu.Unlock()
 	m.f.etcd.update()
+	m.apiServer.ensure()
 	m.f.kube.resumePods(m)
 	if actor != "" || applied {
 		m.f.logf("%s: up on %s", m.Name(), version)

@@ -58,6 +58,13 @@ type Spec struct {
 	APIServer *rest.Config
 	// Kubelet says how the machines play their kubelets.
 	Kubelet Kubelet
+	// Hosted, when set, makes the control planes host the cluster's API:
+	// each runs its own kube-apiserver, rendered from its machine
+	// configuration, behind one endpoint (Fleet.APIConfig), and Start
+	// takes no client (the fleet makes its own for the endpoint). Without
+	// it the API server is the fixed one the client passed to Start
+	// reaches.
+	Hosted *Hosted
 	// KubeProxy makes the control planes apply Talos's kube-proxy
 	// bootstrap manifest while cluster.proxy is enabled (creating what is
 	// missing, recording it in the inventory ConfigMap), as Talos does.

@@ -7,12 +7,14 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/cosi-project/runtime/pkg/resource"
 	"github.com/cosi-project/runtime/pkg/resource/meta"
 	"github.com/cosi-project/runtime/pkg/safe"
+	"github.com/siderolabs/talos/pkg/machinery/config"
 	talosconfig "github.com/siderolabs/talos/pkg/machinery/config/config"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
@@ -42,10 +44,10 @@ var staticPodComponents = []staticPod{
 		r := k8s.NewAPIServerConfig()
 		r.TypedSpec().Image, r.TypedSpec().ExtraArgs = c.APIServer().Image(), argValues(c.APIServer().ExtraArgs())
 		return r
-	}, map[string][]string{
+	}, withFlags(map[string][]string{
 		"allow-privileged": {"true"}, "anonymous-auth": {"false"}, "enable-admission-plugins": {"NodeRestriction"},
 		"authorization-config": {"/system/config/kubernetes/kube-apiserver/authorization-config.yaml"},
-	}},
+	}, apiServerFlags(constants.KubernetesAPIServerSecretsDir))},
 	{k8s.ControllerManagerID, func(c talosconfig.ClusterConfig) resource.Resource {
 		r := k8s.NewControllerManagerConfig()
 		r.TypedSpec().Enabled, r.TypedSpec().Image = true, c.ControllerManager().Image()
@@ -53,6 +55,8 @@ var staticPodComponents = []staticPod{
 		return r
 	}, map[string][]string{
 		"allocate-node-cidrs": {"true"}, "controllers": {"*", "tokencleaner"}, "use-service-account-credentials": {"true"},
+		"root-ca-file":                     {constants.KubernetesControllerManagerSecretsDir + "/ca.crt"},
+		"service-account-private-key-file": {constants.KubernetesControllerManagerSecretsDir + "/service-account.key"},
 	}},
 	{k8s.SchedulerID, func(c talosconfig.ClusterConfig) resource.Resource {
 		r := k8s.NewSchedulerConfig()
@@ -62,6 +66,12 @@ var staticPodComponents = []staticPod{
 	}, map[string][]string{
 		"config": {"/system/config/kubernetes/kube-scheduler/scheduler-config.yaml"},
 	}},
+}
+
+// withFlags is base with flags added.
+func withFlags(base, flags map[string][]string) map[string][]string {
+	maps.Copy(base, flags)
+	return base
 }
 
 func argValues(in map[string][]string) map[string]k8s.ArgValues {
@@ -204,7 +214,8 @@ func (k *kube) mirrorPod(m *Machine, c staticPod, node types.UID) *corev1.Pod {
 		return nil
 	}
 	image := pod.Spec.Containers[0].Image
-	sum := sha256.Sum256([]byte(c.id + "|" + image + "|" + pod.Annotations[constants.AnnotationStaticPodConfigVersion]))
+	sum := sha256.Sum256([]byte(c.id + "|" + image + "|" + pod.Annotations[constants.AnnotationStaticPodConfigVersion] +
+		"|" + pod.Annotations[constants.AnnotationStaticPodSecretsVersion]))
 	hash := hex.EncodeToString(sum[:16])
 	yes := true
 	pod.TypeMeta = metav1.TypeMeta{}
@@ -252,11 +263,13 @@ func (m *Machine) renderStaticPod(c staticPod) *corev1.Pod {
 			return nil
 		}
 	}
-	pod := staticPodOf(c, cur)
+	pod := staticPodOf(c, cur, m.secretsVersion(cfg))
 	sp, err := safe.StateGetByID[*k8s.StaticPod](ctx, m.cosi, c.id)
 	if err == nil && sp.TypedSpec().Pod != nil {
 		if prev, ok := sp.TypedSpec().Pod["metadata"].(map[string]any); ok {
-			if ann, ok := prev["annotations"].(map[string]any); ok && ann[constants.AnnotationStaticPodConfigVersion] == pod.Annotations[constants.AnnotationStaticPodConfigVersion] {
+			if ann, ok := prev["annotations"].(map[string]any); ok &&
+				ann[constants.AnnotationStaticPodConfigVersion] == pod.Annotations[constants.AnnotationStaticPodConfigVersion] &&
+				ann[constants.AnnotationStaticPodSecretsVersion] == pod.Annotations[constants.AnnotationStaticPodSecretsVersion] {
 				return pod
 			}
 		}
@@ -272,10 +285,27 @@ func (m *Machine) renderStaticPod(c staticPod) *corev1.Pod {
 	return pod
 }
 
+// secretsVersion is the version of the secrets the machine's static pods
+// are rendered with (Talos's SecretsStatus, talos.dev/secrets-version): one
+// more each time the Kubernetes secrets of its configuration change (the
+// CAs, the service-account key, the encryption secrets). The caller holds
+// renderMu.
+func (m *Machine) secretsVersion(cfg config.Provider) string {
+	key := ""
+	if in, err := apiServerInputs(cfg); err == nil {
+		key = in.key
+	}
+	if m.secretsVer == 0 || key != m.secretsKey {
+		m.secretsVer++
+		m.secretsKey = key
+	}
+	return strconv.Itoa(m.secretsVer)
+}
+
 // staticPodOf is the static pod Talos renders from a component's
 // configuration resource: labelled and annotated as Talos's, the command
 // its flags merged with extraArgs.
-func staticPodOf(c staticPod, cfg resource.Resource) *corev1.Pod {
+func staticPodOf(c staticPod, cfg resource.Resource, secretsVersion string) *corev1.Pod {
 	image, extra := resourceImage(cfg), resourceArgs(cfg)
 	return &corev1.Pod{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
@@ -292,7 +322,7 @@ func staticPodOf(c staticPod, cfg resource.Resource) *corev1.Pod {
 				"app.kubernetes.io/managed-by": "Talos",
 			},
 			Annotations: map[string]string{
-				constants.AnnotationStaticPodSecretsVersion: "1",
+				constants.AnnotationStaticPodSecretsVersion: secretsVersion,
 				constants.AnnotationStaticPodConfigVersion:  cfg.Metadata().Version().String(),
 			},
 		},

@@ -108,8 +108,23 @@ func start(ctx context.Context, name string, o Options, extra ...string) (*Proce
 		"--kubeconfig=" + o.Kubeconfig, "--leader-elect=false",
 		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(port),
 	}, extra...)
+	p, err := startProcess(name, bin, args, o.Log)
+	if err != nil {
+		return nil, err
+	}
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, // its own throwaway certificate, on loopback
+	}}
+	if err := p.waitHealthy(ctx, hc, fmt.Sprintf("https://127.0.0.1:%d/healthz", port)); err != nil {
+		p.Stop()
+		return nil, err
+	}
+	return p, nil
+}
+
+// startProcess starts bin with args, its output to out (nil discards it).
+func startProcess(name, bin string, args []string, out io.Writer) (*Process, error) {
 	p := &Process{name: name, cmd: exec.Command(bin, args...), done: make(chan struct{})}
-	out := o.Log
 	if out == nil {
 		out = io.Discard
 	}
@@ -124,10 +139,6 @@ func start(ctx context.Context, name string, o Options, extra ...string) (*Proce
 		p.mu.Unlock()
 		close(p.done)
 	}()
-	if err := p.waitHealthy(ctx, port); err != nil {
-		p.Stop()
-		return nil, err
-	}
 	return p, nil
 }
 
@@ -147,15 +158,11 @@ func freePort() (int, error) {
 // several test packages share.
 const StartTimeout = 2 * time.Minute
 
-// waitHealthy polls /healthz on the component's own port (a self-signed
-// certificate made in memory) until it answers ok.
-func (p *Process) waitHealthy(ctx context.Context, port int) error {
+// waitHealthy polls url (the component's /healthz or /readyz) with hc
+// until it answers ok.
+func (p *Process) waitHealthy(ctx context.Context, hc *http.Client, url string) error {
 	ctx, cancel := context.WithTimeout(ctx, StartTimeout)
 	defer cancel()
-	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
-		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, // its own throwaway certificate, on loopback
-	}}
-	url := fmt.Sprintf("https://127.0.0.1:%d/healthz", port)
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	for {

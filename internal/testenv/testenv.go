@@ -184,6 +184,11 @@ func (e *Env) UserKubeconfig(name string, groups ...string) (string, error) {
 	return path, os.WriteFile(path, data, 0o600)
 }
 
+// EtcdURL is the client URL of the Env's etcd. A fleet whose control
+// planes host their own API servers (sim.Spec.Hosted) can share it under a
+// key prefix of its own.
+func (e *Env) EtcdURL() string { return e.env.ControlPlane.Etcd.URL.String() }
+
 // Dir is a directory for the package's files; Stop removes it.
 func (e *Env) Dir() string { return e.dir }
 

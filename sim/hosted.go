@@ -1,0 +1,531 @@
+package sim
+
+import (
+	"context"
+	"crypto/sha256"
+	stdx509 "crypto/x509"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/siderolabs/crypto/x509"
+	"github.com/siderolabs/talos/pkg/machinery/config"
+	"github.com/siderolabs/talos/pkg/machinery/constants"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/yaml"
+
+	"maesh.dev/ichor/internal/controlplane"
+)
+
+// Hosted makes the control planes host the Kubernetes API (Spec.Hosted):
+// each runs its own kube-apiserver on its own address, with the flags and
+// files Talos renders from that machine's configuration, all sharing one
+// etcd, behind one endpoint that balances across those that are up.
+type Hosted struct {
+	// Assets is the directory of the kube-apiserver binary
+	// (KUBEBUILDER_ASSETS).
+	Assets string
+	// Etcd is the client URL of the etcd the API servers share.
+	Etcd string
+	// EtcdPrefix is the key prefix the API servers store under (their
+	// --etcd-prefix); default "/sim/<fleet name>", so that a fleet can
+	// share an etcd with another API server.
+	EtcdPrefix string
+	// Dir holds each API server's rendered files and log; empty means a
+	// temporary directory that Stop removes.
+	Dir string
+}
+
+// hosting is the fleet's side of Spec.Hosted: the endpoint and the admin
+// credentials its clients use.
+type hosting struct {
+	spec   Hosted
+	dir    string
+	ownDir bool
+	lb     *controlplane.Balancer
+	admin  *x509.PEMEncodedCertificateAndKey
+	ca     []byte // cluster.ca as the fleet started
+	mu     sync.Mutex
+	kube   *kube // set once the fleet's Kubernetes side runs
+}
+
+func newHosting(f *Fleet) (*hosting, error) {
+	h := &hosting{spec: *f.spec.Hosted, dir: f.spec.Hosted.Dir, ca: f.secrets.Certs.K8s.Crt}
+	if h.spec.Assets == "" || h.spec.Etcd == "" {
+		return nil, errors.New("sim.Spec.Hosted needs Assets (the kube-apiserver directory, KUBEBUILDER_ASSETS) and Etcd (a client URL)")
+	}
+	if h.spec.EtcdPrefix == "" {
+		h.spec.EtcdPrefix = "/sim/" + f.spec.Name
+	}
+	if h.dir == "" {
+		dir, err := os.MkdirTemp("", "ichor-sim-apiserver-")
+		if err != nil {
+			return nil, err
+		}
+		h.dir, h.ownDir = dir, true
+	}
+	var err error
+	if h.admin, err = adminCertificate(f.secrets.Certs.K8s); err != nil {
+		return nil, err
+	}
+	if h.lb, err = controlplane.NewBalancer("127.0.0.1:0"); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// adminCertificate is an admin client certificate from the Kubernetes CA,
+// as Talos's kubeconfig generator issues it (CN admin, O system:masters).
+func adminCertificate(ca *x509.PEMEncodedCertificateAndKey) (*x509.PEMEncodedCertificateAndKey, error) {
+	auth, err := x509.NewCertificateAuthorityFromCertificateAndKey(ca)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes CA: %w", err)
+	}
+	kp, err := x509.NewKeyPair(auth,
+		x509.CommonName(constants.KubernetesAdminCertCommonName),
+		x509.Organization(constants.KubernetesAdminCertOrganization),
+		x509.NotBefore(time.Now().Add(-time.Minute)),
+		x509.NotAfter(time.Now().Add(365*24*time.Hour)),
+		x509.KeyUsage(stdx509.KeyUsageDigitalSignature|stdx509.KeyUsageKeyEncipherment),
+		x509.ExtKeyUsage([]stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("admin certificate: %w", err)
+	}
+	return &x509.PEMEncodedCertificateAndKey{Crt: kp.CrtPEM, Key: kp.KeyPEM}, nil
+}
+
+// config is an admin REST config for the endpoint.
+func (h *hosting) config() *rest.Config {
+	return &rest.Config{
+		Host: "https://" + h.lb.Address(),
+		TLSClientConfig: rest.TLSClientConfig{
+			CAData: h.ca, CertData: h.admin.Crt, KeyData: h.admin.Key,
+		},
+		QPS: 1000, Burst: 2000,
+	}
+}
+
+func (h *hosting) setKube(k *kube) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.kube = k
+}
+
+func (h *hosting) kubeSide() *kube {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.kube
+}
+
+func (h *hosting) close() {
+	h.lb.Close()
+	if h.ownDir {
+		_ = os.RemoveAll(h.dir)
+	}
+}
+
+// waitReady waits until every control plane that booted has its API server
+// ready.
+func (f *Fleet) waitAPIServers(ctx context.Context) error {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		waiting := ""
+		for _, m := range f.controlPlanes {
+			if m.Pending() || m.APIServer().Ready {
+				continue
+			}
+			waiting = m.Name()
+			m.apiServer.mu.Lock()
+			err := m.apiServer.failed
+			m.apiServer.mu.Unlock()
+			if err != nil {
+				return fmt.Errorf("%s: kube-apiserver: %w", m.Name(), err)
+			}
+		}
+		if waiting == "" {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kube-apiserver of %s is not ready (its log is in %s): %w", waiting, f.hosting.dir, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// APIConfig is an admin REST config for the cluster's API as its clients
+// reach it: Spec.APIServer, or under Spec.Hosted the fleet's endpoint with
+// an admin certificate from the Kubernetes CA.
+func (f *Fleet) APIConfig() *rest.Config {
+	if f.hosting != nil {
+		return f.hosting.config()
+	}
+	return rest.CopyConfig(f.spec.APIServer)
+}
+
+// APIServerStatus is a control plane's hosted kube-apiserver.
+type APIServerStatus struct {
+	// Address is where it serves (host:port); empty without Spec.Hosted.
+	Address string
+	// Ready is true while it runs, ready, and the endpoint balances to it.
+	Ready bool
+	// Starts counts the times it became ready.
+	Starts int
+	// LastStart is how long its last start took, from the stop of its
+	// predecessor (or the machine's boot) until it was ready.
+	LastStart time.Duration
+}
+
+// APIServer is the state of the machine's hosted kube-apiserver.
+func (m *Machine) APIServer() APIServerStatus {
+	a := m.apiServer
+	if a == nil {
+		return APIServerStatus{}
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return APIServerStatus{Address: a.address, Ready: a.proc != nil, Starts: a.starts, LastStart: a.lastStart}
+}
+
+// apiServer is a control plane's kube-apiserver under Spec.Hosted, run as
+// Talos runs its static pod: started when the machine is up, restarted
+// (stop, render, start, wait ready) when what it is rendered from changes,
+// stopped while the machine is down.
+type apiServer struct {
+	m       *Machine
+	address string // the machine's address, a port of its own
+
+	mu        sync.Mutex
+	proc      *controlplane.Process
+	cancel    context.CancelFunc // of the start in flight
+	gen       int
+	inputs    string // what the running (or starting) one was rendered from
+	starts    int
+	lastStart time.Duration
+	failed    error // why the last start failed
+}
+
+func newAPIServer(m *Machine) (*apiServer, error) {
+	// The port stays the machine's across restarts, as 6443 would.
+	l, err := net.Listen("tcp", net.JoinHostPort(m.addr, "0"))
+	if err != nil {
+		return nil, fmt.Errorf("%s: find a port for kube-apiserver: %w", m.Name(), err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	return &apiServer{m: m, address: addr}, nil
+}
+
+// ensure starts the API server, or restarts it when the machine's
+// configuration renders it differently; it returns at once.
+func (a *apiServer) ensure() {
+	if a == nil {
+		return
+	}
+	if a.m.Down() {
+		return
+	}
+	in, err := apiServerInputs(a.m.Config())
+	if err != nil {
+		a.m.f.logf("%s: kube-apiserver: %v", a.m.Name(), err)
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.cancel != nil && a.inputs == in.key || a.m.f.ctx.Err() != nil {
+		return
+	}
+	began := time.Now()
+	restart := a.cancel != nil
+	a.stopLocked()
+	a.gen++
+	gen := a.gen
+	ctx, cancel := context.WithCancel(a.m.f.ctx)
+	a.cancel, a.inputs = cancel, in.key
+	if restart {
+		a.m.f.logf("%s: kube-apiserver restarts: its configuration changed", a.m.Name())
+	}
+	a.m.f.wg.Go(func() { a.start(ctx, gen, in, began) })
+}
+
+// stop stops the API server (the machine goes down).
+func (a *apiServer) stop() {
+	if a == nil {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.stopLocked()
+}
+
+func (a *apiServer) stopLocked() {
+	if a.cancel != nil {
+		a.cancel()
+		a.cancel = nil
+	}
+	a.m.f.hosting.lb.SetUp(a.address, false)
+	if a.proc != nil {
+		began := time.Now()
+		a.proc.Stop()
+		a.proc = nil
+		a.m.f.logf("%s: kube-apiserver stopped in %s", a.m.Name(), time.Since(began).Round(time.Millisecond))
+	}
+	a.inputs = ""
+}
+
+func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began time.Time) {
+	m, h := a.m, a.m.f.hosting
+	dir := filepath.Join(h.dir, m.Name(), strconv.Itoa(gen))
+	args, err := in.render(dir, a.address, h.spec)
+	if err != nil {
+		m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
+		return
+	}
+	log, err := os.OpenFile(filepath.Join(h.dir, m.Name(), "kube-apiserver.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		m.f.logf("%s: kube-apiserver log: %v", m.Name(), err)
+		return
+	}
+	defer log.Close()
+	p, err := controlplane.StartAPIServer(ctx, controlplane.APIServer{
+		Assets: h.spec.Assets, Args: args, Address: a.address, Log: log,
+		CA: in.ca, ClientCert: h.admin.Crt, ClientKey: h.admin.Key,
+	})
+	if err != nil {
+		if ctx.Err() == nil {
+			err = fmt.Errorf("%w; the end of its log:\n%s", err, logTail(log.Name()))
+			m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
+			a.mu.Lock()
+			a.failed = err
+			a.mu.Unlock()
+		}
+		return
+	}
+	a.mu.Lock()
+	if a.gen != gen {
+		a.mu.Unlock()
+		p.Stop()
+		return
+	}
+	a.proc, a.failed = p, nil
+	a.starts++
+	a.lastStart = time.Since(began)
+	h.lb.SetUp(a.address, true)
+	a.mu.Unlock()
+	_ = os.RemoveAll(filepath.Join(h.dir, m.Name(), strconv.Itoa(gen-1)))
+	m.f.logf("%s: kube-apiserver ready on %s in %s", m.Name(), a.address, a.lastStart.Round(time.Millisecond))
+	// The mirror pods follow the new static pod, now that the API is there.
+	if k := h.kubeSide(); k != nil {
+		k.staticPods(m, true)
+	}
+}
+
+// apiServerInput is what a control plane's kube-apiserver is rendered from:
+// the Kubernetes part of its machine configuration that Talos's secrets
+// and static-pod controllers read.
+type apiServerInput struct {
+	key               string // a digest of all of it: a change restarts the server
+	ca                []byte // cluster.ca's certificate
+	caKey             []byte
+	accepted          [][]byte // cluster.acceptedCAs, then cluster.ca (Talos's order)
+	saKey             []byte
+	secretbox, aescbc string
+	serviceCIDRs      []string
+	endpoint          string
+}
+
+func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
+	if cfg == nil || cfg.Cluster() == nil {
+		return apiServerInput{}, errors.New("the machine configuration has no cluster section")
+	}
+	c := cfg.Cluster()
+	ca, sa := c.IssuingCA(), c.ServiceAccount()
+	if ca == nil || len(ca.Key) == 0 {
+		return apiServerInput{}, errors.New("cluster.ca has no key: a control plane needs the Kubernetes CA's key to issue the serving certificate")
+	}
+	if sa == nil || len(sa.Key) == 0 {
+		return apiServerInput{}, errors.New("cluster.serviceAccount.key is not set")
+	}
+	in := apiServerInput{
+		ca: ca.Crt, caKey: ca.Key, saKey: sa.Key,
+		secretbox: c.SecretboxEncryptionSecret(), aescbc: c.AESCBCEncryptionSecret(),
+		serviceCIDRs: c.Network().ServiceCIDRs(), endpoint: c.Endpoint().String(),
+	}
+	for _, a := range c.AcceptedCAs() {
+		in.accepted = append(in.accepted, a.Crt)
+	}
+	in.accepted = append(in.accepted, ca.Crt)
+	sum := sha256.New()
+	for _, part := range append([][]byte{in.ca, in.caKey, in.saKey, []byte(in.secretbox), []byte(in.aescbc),
+		[]byte(strings.Join(in.serviceCIDRs, ",")), []byte(in.endpoint)}, in.accepted...) {
+		sum.Write([]byte(strconv.Itoa(len(part)) + ":"))
+		sum.Write(part)
+	}
+	in.key = hex.EncodeToString(sum.Sum(nil))
+	return in, nil
+}
+
+// apiServerFlags are the flags of Talos's kube-apiserver static pod that
+// name its secrets, under dir (Talos: /system/secrets/kubernetes/kube-apiserver).
+func apiServerFlags(dir string) map[string][]string {
+	return map[string][]string{
+		"client-ca-file":                   {filepath.Join(dir, "ca.crt")},
+		"encryption-provider-config":       {filepath.Join(dir, "encryptionconfig.yaml")},
+		"service-account-key-file":         {filepath.Join(dir, "service-account.pub")},
+		"service-account-signing-key-file": {filepath.Join(dir, "service-account.key")},
+		"tls-cert-file":                    {filepath.Join(dir, "apiserver.crt")},
+		"tls-private-key-file":             {filepath.Join(dir, "apiserver.key")},
+	}
+}
+
+// render writes the files Talos's RenderSecretsStaticPodController writes
+// for kube-apiserver into dir and returns the flags to run it with.
+func (in apiServerInput) render(dir, address string, h Hosted) ([]string, error) {
+	host, port, err := net.SplitHostPort(address)
+	if err != nil {
+		return nil, err
+	}
+	serving, err := servingCertificate(in, host)
+	if err != nil {
+		return nil, err
+	}
+	sa, err := (&x509.PEMEncodedKey{Key: in.saKey}).GetKey()
+	if err != nil {
+		return nil, fmt.Errorf("cluster.serviceAccount.key: %w", err)
+	}
+	enc, err := encryptionConfig(in.secretbox, in.aescbc)
+	if err != nil {
+		return nil, err
+	}
+	files := map[string][]byte{
+		"ca.crt":                bytesJoin(in.accepted),
+		"apiserver.crt":         serving.Crt,
+		"apiserver.key":         serving.Key,
+		"service-account.pub":   sa.GetPublicKeyPEM(),
+		"service-account.key":   in.saKey,
+		"encryptionconfig.yaml": enc,
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	for name, data := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			return nil, err
+		}
+	}
+	flags := apiServerFlags(dir)
+	for k, v := range map[string][]string{
+		"advertise-address": {host}, "bind-address": {host}, "secure-port": {port},
+		"allow-privileged": {"true"}, "anonymous-auth": {"false"}, "api-audiences": {in.endpoint},
+		"authorization-mode": {"Node,RBAC"}, "enable-admission-plugins": {"NodeRestriction"},
+		"enable-bootstrap-token-auth": {"true"}, "profiling": {"false"}, "tls-min-version": {"VersionTLS12"},
+		"etcd-servers": {h.Etcd}, "etcd-prefix": {h.EtcdPrefix}, "service-account-issuer": {in.endpoint},
+		"service-cluster-ip-range": {strings.Join(in.serviceCIDRs, ",")},
+		// Loopback addresses cannot be the kubernetes Service's endpoints.
+		"endpoint-reconciler-type": {"none"},
+	} {
+		flags[k] = v
+	}
+	return renderArgs(flags, nil), nil
+}
+
+// logTail is the end of a log file.
+func logTail(path string) string {
+	b, _ := os.ReadFile(path)
+	return string(b[max(0, len(b)-1200):])
+}
+
+func bytesJoin(parts [][]byte) []byte {
+	var out []byte
+	for _, p := range parts {
+		out = append(out, p...)
+	}
+	return out
+}
+
+// servingCertificate is kube-apiserver's serving certificate, issued from
+// cluster.ca as Talos's KubernetesDynamicCertsController issues it, for
+// the API server's own address and the endpoint's (loopback, as
+// KubePrism's localhost).
+func servingCertificate(in apiServerInput, host string) (*x509.PEMEncodedCertificateAndKey, error) {
+	ca, err := x509.NewCertificateAuthorityFromCertificateAndKey(&x509.PEMEncodedCertificateAndKey{Crt: in.ca, Key: in.caKey})
+	if err != nil {
+		return nil, fmt.Errorf("cluster.ca: %w", err)
+	}
+	kp, err := x509.NewKeyPair(ca,
+		x509.IPAddresses([]net.IP{net.ParseIP(host), net.ParseIP("127.0.0.1")}),
+		x509.DNSNames([]string{"kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local", "localhost"}),
+		x509.CommonName("kube-apiserver"),
+		x509.Organization("kube-master"),
+		x509.NotBefore(time.Now().Add(-time.Minute)),
+		x509.NotAfter(time.Now().Add(365*24*time.Hour)),
+		x509.KeyUsage(stdx509.KeyUsageDigitalSignature|stdx509.KeyUsageKeyEncipherment),
+		x509.ExtKeyUsage([]stdx509.ExtKeyUsage{stdx509.ExtKeyUsageServerAuth}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("kube-apiserver serving certificate: %w", err)
+	}
+	return &x509.PEMEncodedCertificateAndKey{Crt: kp.CrtPEM, Key: kp.KeyPEM}, nil
+}
+
+// encryptionConfig is Talos's APIServerEncryptionConfig: one
+// configuration for secrets, secretbox (key2) if set, then aescbc (key1)
+// if set, then identity.
+func encryptionConfig(secretbox, aescbc string) ([]byte, error) {
+	var providers []apiserverv1.ProviderConfiguration
+	if secretbox != "" {
+		providers = append(providers, apiserverv1.ProviderConfiguration{
+			Secretbox: &apiserverv1.SecretboxConfiguration{Keys: []apiserverv1.Key{{Name: "key2", Secret: secretbox}}},
+		})
+	}
+	if aescbc != "" {
+		providers = append(providers, apiserverv1.ProviderConfiguration{
+			AESCBC: &apiserverv1.AESConfiguration{Keys: []apiserverv1.Key{{Name: "key1", Secret: aescbc}}},
+		})
+	}
+	providers = append(providers, apiserverv1.ProviderConfiguration{Identity: &apiserverv1.IdentityConfiguration{}})
+	obj := apiserverv1.EncryptionConfiguration{
+		TypeMeta:  metav1.TypeMeta{Kind: "EncryptionConfig", APIVersion: apiserverv1.SchemeGroupVersion.Version},
+		Resources: []apiserverv1.ResourceConfiguration{{Resources: []string{"secrets"}, Providers: providers}},
+	}
+	out, err := yaml.Marshal(obj)
+	if err != nil {
+		return nil, fmt.Errorf("encryption configuration: %w", err)
+	}
+	return out, nil
+}
+
+// startHosting sets the fleet up for Spec.Hosted: the endpoint, and a
+// kube-apiserver for each control plane (started as it boots).
+func (f *Fleet) startHosting(kc kubernetes.Interface) error {
+	if kc != nil {
+		return errors.New("with sim.Spec.Hosted the fleet hosts its own API: pass Start a nil client and use Fleet.APIConfig")
+	}
+	if f.spec.APIServer != nil {
+		return errors.New("sim.Spec.APIServer and sim.Spec.Hosted exclude each other: a hosted fleet's API server is its own")
+	}
+	h, err := newHosting(f)
+	if err != nil {
+		return err
+	}
+	f.hosting = h
+	for _, m := range f.controlPlanes {
+		if m.apiServer, err = newAPIServer(m); err != nil {
+			return err
+		}
+	}
+	f.spec.APIServer = h.config()
+	return nil
+}

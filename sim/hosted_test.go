@@ -1,0 +1,315 @@
+package sim_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/siderolabs/crypto/x509"
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	"github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// hostedFleet starts a fleet of cps control planes that host the API
+// (sim.Spec.Hosted), sharing the package's etcd under a prefix of its own,
+// and returns it with a client for its endpoint and that prefix.
+func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface, string) {
+	t.Helper()
+	spec := fleetSpec(t, cps, 0)
+	prefix := "/sim-test/" + spec.Name + "-" + uuid.NewString()[:8]
+	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Etcd: env.EtcdURL(), EtcdPrefix: prefix, Dir: t.TempDir()}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	began := time.Now()
+	f, err := sim.Start(ctx, spec, nil)
+	if err != nil {
+		t.Fatalf("start hosted fleet: %v", err)
+	}
+	t.Cleanup(f.Stop)
+	t.Logf("%d API servers ready %s after the fleet started", cps, time.Since(began).Round(time.Millisecond))
+	kc, err := kubernetes.NewForConfig(f.APIConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, kc, prefix
+}
+
+// applyAll changes the configuration of every control plane live
+// (NO_REBOOT), back to back, and waits until each one's API server has
+// restarted and is ready. It returns how long the whole control plane took.
+func applyAll(t *testing.T, f *sim.Fleet, fn func(*v1alpha1.Config)) time.Duration {
+	t.Helper()
+	starts := map[string]int{}
+	began := time.Now()
+	for _, cp := range f.ControlPlanes() {
+		starts[cp.Name()] = cp.APIServer().Starts
+		if _, err := newConfigApply(t, f, cp).apply(machine.ApplyConfigurationRequest_NO_REBOOT, false, fn); err != nil {
+			t.Fatalf("apply on %s: %v", cp.Name(), err)
+		}
+	}
+	for _, cp := range f.ControlPlanes() {
+		testenv.Eventually(t, 3*time.Minute, "the API server of "+cp.Name()+" restarted", func(context.Context) (bool, error) {
+			st := cp.APIServer()
+			return st.Ready && st.Starts > starts[cp.Name()], nil
+		})
+		t.Logf("%s: API server restarted in %s", cp.Name(), cp.APIServer().LastStart.Round(time.Millisecond))
+	}
+	all := time.Since(began)
+	t.Logf("control plane of %d restarted in %s", len(f.ControlPlanes()), all.Round(time.Millisecond))
+	return all
+}
+
+// direct is a client of one control plane's API server with a bearer token.
+func direct(t *testing.T, f *sim.Fleet, cp *sim.Machine, token string) kubernetes.Interface {
+	t.Helper()
+	cfg := &rest.Config{Host: "https://" + cp.APIServer().Address, BearerToken: token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: f.APIConfig().CAData}}
+	kc, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kc
+}
+
+// authenticates says whether cp's API server accepts the token.
+func authenticates(t *testing.T, f *sim.Fleet, cp *sim.Machine, token string) bool {
+	t.Helper()
+	ctx, cancel := timeout()
+	defer cancel()
+	_, err := direct(t, f, cp, token).AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsUnauthorized(err) {
+		t.Fatalf("self-subject review on %s: %v", cp.Name(), err)
+	}
+	return err == nil
+}
+
+func token(t *testing.T, kc kubernetes.Interface) string {
+	t.Helper()
+	ctx, cancel := timeout()
+	defer cancel()
+	tr, err := kc.CoreV1().ServiceAccounts("default").CreateToken(ctx, "robot", &authenticationv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("token for robot: %v", err)
+	}
+	return tr.Status.Token
+}
+
+func mirrorSecretsVersion(t *testing.T, kc kubernetes.Interface, cp *sim.Machine) string {
+	t.Helper()
+	ctx, cancel := timeout()
+	defer cancel()
+	pod, err := kc.CoreV1().Pods(metav1.NamespaceSystem).Get(ctx, "kube-apiserver-"+cp.Name(), metav1.GetOptions{})
+	if err != nil {
+		return ""
+	}
+	return pod.Annotations["talos.dev/secrets-version"]
+}
+
+func TestHostedServiceAccountKey(t *testing.T) {
+	f, kc, _ := hostedFleet(t, 2)
+	ctx, cancel := timeout()
+	defer cancel()
+	if _, err := kc.CoreV1().ServiceAccounts("default").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "robot"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	old := token(t, kc)
+	versions := map[string]string{}
+	for _, cp := range f.ControlPlanes() {
+		if !authenticates(t, f, cp, old) {
+			t.Fatalf("%s refuses a token signed with its own key", cp.Name())
+		}
+		testenv.Eventually(t, time.Minute, "the mirror pod of "+cp.Name(), func(context.Context) (bool, error) {
+			versions[cp.Name()] = mirrorSecretsVersion(t, kc, cp)
+			return versions[cp.Name()] != "", nil
+		})
+	}
+
+	key, err := x509.NewECDSAKey()
+	if err != nil {
+		t.Fatal(err)
+	}
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterServiceAccount = &x509.PEMEncodedKey{Key: key.GetPrivateKeyPEM()}
+	})
+
+	fresh := token(t, kc)
+	for _, cp := range f.ControlPlanes() {
+		if authenticates(t, f, cp, old) {
+			t.Errorf("%s still accepts a token signed with the old service-account key", cp.Name())
+		}
+		if !authenticates(t, f, cp, fresh) {
+			t.Errorf("%s refuses a token signed with the new service-account key", cp.Name())
+		}
+		testenv.Eventually(t, time.Minute, "the mirror pod of "+cp.Name()+" with a new secrets version", func(context.Context) (bool, error) {
+			v := mirrorSecretsVersion(t, kc, cp)
+			return v != "" && v != versions[cp.Name()], nil
+		})
+	}
+}
+
+// rawEtcd reads a key from etcd itself (its JSON gateway), bypassing the
+// API servers: what is stored, encrypted or not.
+func rawEtcd(t *testing.T, key string) []byte {
+	t.Helper()
+	body, _ := json.Marshal(map[string]string{"key": base64.StdEncoding.EncodeToString([]byte(key))})
+	resp, err := http.Post(env.EtcdURL()+"/v3/kv/range", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatalf("etcd range %s: %v", key, err)
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Kvs []struct {
+			Value []byte `json:"value"`
+		} `json:"kvs"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || len(out.Kvs) != 1 {
+		t.Fatalf("etcd range %s: %d values, %v", key, len(out.Kvs), err)
+	}
+	return out.Kvs[0].Value
+}
+
+func encryptionKey(t *testing.T) string {
+	b := make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return base64.StdEncoding.EncodeToString(b)
+}
+
+func TestHostedEncryptionAtRest(t *testing.T) {
+	f, kc, prefix := hostedFleet(t, 1)
+	secrets := kc.CoreV1().Secrets("default")
+	create := func(name string) {
+		t.Helper()
+		ctx, cancel := timeout()
+		defer cancel()
+		s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name}, Data: map[string][]byte{"v": []byte("value of " + name)}}
+		if _, err := secrets.Create(ctx, s, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create secret %s: %v", name, err)
+		}
+	}
+	wantPrefix := func(name, want string) {
+		t.Helper()
+		if raw := rawEtcd(t, prefix+"/secrets/default/"+name); !bytes.HasPrefix(raw, []byte(want)) {
+			t.Errorf("secret %s is stored as %q..., want the prefix %q", name, raw[:min(len(raw), 40)], want)
+		}
+	}
+	readable := func(name string) error {
+		ctx, cancel := timeout()
+		defer cancel()
+		s, err := secrets.Get(ctx, name, metav1.GetOptions{})
+		if err == nil && string(s.Data["v"]) != "value of "+name {
+			err = fmt.Errorf("secret %s reads %q", name, s.Data["v"])
+		}
+		return err
+	}
+
+	// Talos's generated configuration sets secretbox only.
+	create("s0")
+	wantPrefix("s0", "k8s:enc:secretbox:v1:key2:")
+	// A Secret whose key is gone keeps kube-apiserver from getting ready
+	// (its cache cannot list secrets): s0 goes before secretbox does.
+	ctx, cancel := timeout()
+	defer cancel()
+	if err := secrets.Delete(ctx, "s0", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterSecretboxEncryptionSecret = ""
+		cfg.ClusterConfig.ClusterAESCBCEncryptionSecret = encryptionKey(t)
+	})
+	create("s1")
+	wantPrefix("s1", "k8s:enc:aescbc:v1:key1:")
+
+	// Talos's graceful migration: a new secretbox key beside aescbc.
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterSecretboxEncryptionSecret = encryptionKey(t)
+	})
+	create("s2")
+	wantPrefix("s2", "k8s:enc:secretbox:v1:key2:")
+	wantPrefix("s1", "k8s:enc:aescbc:v1:key1:")
+	for _, name := range []string{"s1", "s2"} {
+		if err := readable(name); err != nil {
+			t.Errorf("read %s: %v", name, err)
+		}
+	}
+}
+
+func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
+	f, kc, _ := hostedFleet(t, 2)
+	cms := kc.CoreV1().ConfigMaps("default")
+	ctx, cancel := timeout()
+	defer cancel()
+	for i := range 3 {
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("cm%d", i)}, Data: map[string]string{"i": fmt.Sprint(i)}}
+		if _, err := cms.Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list := func() (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		l, err := cms.List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return "", err
+		}
+		var names []string
+		for _, cm := range l.Items {
+			if cm.Name != "kube-root-ca.crt" {
+				names = append(names, cm.Name+"="+cm.Data["i"])
+			}
+		}
+		return strings.Join(names, ","), nil
+	}
+	const want = "cm0=0,cm1=1,cm2=2"
+
+	c := talos(t, f)
+	cps := f.ControlPlanes()
+	shutdown := func(cp *sim.Machine) {
+		t.Helper()
+		if _, err := c.ShutdownWithResponse(on(cp), client.WithShutdownForce(true)); err != nil {
+			t.Fatalf("shutdown %s: %v", cp.Name(), err)
+		}
+		testenv.Eventually(t, 30*time.Second, cp.Name()+" off", func(context.Context) (bool, error) { return cp.Off(), nil })
+	}
+	shutdown(cps[0])
+	if got, err := list(); err != nil || got != want {
+		t.Fatalf("with %s down the endpoint answers %q, %v; want %q from %s", cps[0].Name(), got, err, want, cps[1].Name())
+	}
+	shutdown(cps[1])
+	if got, err := list(); err == nil {
+		t.Fatalf("with every control plane off the endpoint answers %q", got)
+	}
+
+	began := time.Now()
+	for _, cp := range cps {
+		if err := cp.PowerOn(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, 3*time.Minute, "the API back", func(context.Context) (bool, error) {
+		got, err := list()
+		return err == nil && got == want, nil
+	})
+	t.Logf("API back %s after power-on", time.Since(began).Round(time.Millisecond))
+}
