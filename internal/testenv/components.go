@@ -84,7 +84,7 @@ func (e *Env) SetNodeLifecycle(on bool) error {
 
 func (e *Env) startControllerManager() error {
 	o := e.componentOptions("kube-controller-manager")
-	o.ServiceAccountKey = filepath.Join(e.env.ControlPlane.APIServer.CertDir, "sa-signer.key")
+	o.ServiceAccountKey = e.saKey
 	if e.components.NodeLifecycle {
 		o.NodeMonitorGracePeriod = NodeGracePeriod
 	}

@@ -65,8 +65,10 @@ type Env struct {
 	// Root is the repository root (where go.mod is).
 	Root string
 
-	env *envtest.Environment
+	env *envtest.Environment // nil for an attached Env
 	dir string
+	// saKey is the file of the API server's service-account signing key.
+	saKey string
 	seq atomic.Int64
 	// stops end what was started beside the API server, before it stops.
 	stops []func()
@@ -108,6 +110,19 @@ func Start() (*Env, error) {
 }
 
 func (e *Env) init() error {
+	if err := e.initClients(); err != nil {
+		return err
+	}
+	var err error
+	if e.dir, err = os.MkdirTemp("", "ichor-testenv-"); err != nil {
+		return err
+	}
+	e.saKey = filepath.Join(e.env.ControlPlane.APIServer.CertDir, "sa-signer.key")
+	e.Kubeconfig, err = e.UserKubeconfig("ichor-test-admin", "system:masters")
+	return err
+}
+
+func (e *Env) initClients() error {
 	// The default QPS of 5 would make the tests wait on the client, not on the server.
 	e.Config.QPS, e.Config.Burst = 1000, 2000
 	var err error
@@ -117,11 +132,7 @@ func (e *Env) init() error {
 	if e.Kube, err = kubernetes.NewForConfig(e.Config); err != nil {
 		return fmt.Errorf("clientset: %w", err)
 	}
-	if e.dir, err = os.MkdirTemp("", "ichor-testenv-"); err != nil {
-		return err
-	}
-	e.Kubeconfig, err = e.UserKubeconfig("ichor-test-admin", "system:masters")
-	return err
+	return nil
 }
 
 // Stop stops the API server and etcd and removes the files Start wrote.
@@ -131,6 +142,9 @@ func (e *Env) Stop() error {
 	}
 	if e.dir != "" {
 		_ = os.RemoveAll(e.dir)
+	}
+	if e.env == nil {
+		return nil
 	}
 	return e.env.Stop()
 }
@@ -161,6 +175,9 @@ func Main(m *testing.M, env **Env, setup ...func(*Env) error) int {
 
 // User returns a REST config that authenticates as the named user in groups.
 func (e *Env) User(name string, groups ...string) (*rest.Config, error) {
+	if e.env == nil {
+		return nil, errAttached
+	}
 	u, err := e.env.AddUser(envtest.User{Name: name, Groups: groups}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("add user %s: %w", name, err)
@@ -172,6 +189,9 @@ func (e *Env) User(name string, groups ...string) (*rest.Config, error) {
 
 // UserKubeconfig writes a kubeconfig for the named user and returns its path.
 func (e *Env) UserKubeconfig(name string, groups ...string) (string, error) {
+	if e.env == nil {
+		return "", errAttached
+	}
 	u, err := e.env.AddUser(envtest.User{Name: name, Groups: groups}, nil)
 	if err != nil {
 		return "", fmt.Errorf("add user %s: %w", name, err)
@@ -187,7 +207,12 @@ func (e *Env) UserKubeconfig(name string, groups ...string) (string, error) {
 // EtcdURL is the client URL of the Env's etcd. A fleet whose control
 // planes host their own API servers (sim.Spec.Hosted) can share it under a
 // key prefix of its own.
-func (e *Env) EtcdURL() string { return e.env.ControlPlane.Etcd.URL.String() }
+func (e *Env) EtcdURL() string {
+	if e.env == nil {
+		return ""
+	}
+	return e.env.ControlPlane.Etcd.URL.String()
+}
 
 // Dir is a directory for the package's files; Stop removes it.
 func (e *Env) Dir() string { return e.dir }
