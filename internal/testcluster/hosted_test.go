@@ -43,28 +43,6 @@ func TestHostedClusterThroughTheEndpoint(t *testing.T) {
 			},
 		},
 	}
-	t.Cleanup(func() {
-		if !t.Failed() {
-			return
-		}
-		var pods corev1.PodList
-		_ = henv.Client.List(ctx, &pods)
-		for _, p := range pods.Items {
-			t.Logf("DEBUG pod %s/%s node=%q phase=%s conds=%v", p.Namespace, p.Name, p.Spec.NodeName, p.Status.Phase, p.Status.Conditions)
-		}
-		var evs corev1.EventList
-		_ = henv.Client.List(ctx, &evs)
-		for _, e := range evs.Items {
-			t.Logf("DEBUG event %s %s: %s", e.InvolvedObject.Name, e.Reason, e.Message)
-		}
-		var nodes corev1.NodeList
-		_ = henv.Client.List(ctx, &nodes)
-		for _, n := range nodes.Items {
-			t.Logf("DEBUG node %s taints=%v", n.Name, n.Spec.Taints)
-		}
-		b, _ := os.ReadFile(henv.Dir() + "/kube-controller-manager.log")
-		t.Logf("DEBUG kcm log tail: %s", b[max(0, len(b)-3000):])
-	})
 	if err := henv.Client.Create(ctx, dep); err != nil {
 		t.Fatal(err)
 	}
