@@ -69,7 +69,7 @@ type Env struct {
 	dir string
 	// saKey is the file of the API server's service-account signing key.
 	saKey string
-	seq atomic.Int64
+	seq   atomic.Int64
 	// stops end what was started beside the API server, before it stops.
 	stops []func()
 	// components are what StartComponents started; kcm the controller manager.
