@@ -476,7 +476,7 @@ func agentReadyStep() Step {
 			if p.Spec.NodeName != e.Machine.Name || !p.DeletionTimestamp.IsZero() {
 				continue
 			}
-			if podImage(&p, cilium.AgentContainer) == agents.Image && podutils.IsPodReady(&p) {
+			if podImage(&p.Spec, cilium.AgentContainer) == agents.Image && podutils.IsPodReady(&p) {
 				return true, Outcome{Message: "cilium " + agents.Version.String() + " ready"}, nil
 			}
 		}
@@ -484,8 +484,8 @@ func agentReadyStep() Step {
 	}}
 }
 
-func podImage(p *corev1.Pod, container string) string {
-	for _, c := range p.Spec.Containers {
+func podImage(p *corev1.PodSpec, container string) string {
+	for _, c := range p.Containers {
 		if c.Name == container {
 			return c.Image
 		}

@@ -181,7 +181,7 @@ func rolledOutTo(ctx context.Context, e *Env, image string) (bool, string, error
 	}
 	ready := 0
 	for _, p := range pods.Items {
-		if img := podImage(&p, manifests.Container); img != image {
+		if img := podImage(&p.Spec, manifests.Container); img != image {
 			return false, fmt.Sprintf("waiting for pod %s (%s) to go", p.Name, img), nil
 		}
 		if podutils.IsPodReady(&p) {

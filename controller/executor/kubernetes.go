@@ -29,20 +29,30 @@ import (
 // (StagePrePull): each control-plane
 // component on every control plane before the next component (a
 // controller-manager or scheduler is never newer than an API server), then
-// the kubelets.
+// kube-proxy (its image in every control plane's configuration, then, once,
+// the sync of the bootstrap manifests Talos renders from it, which rolls
+// its DaemonSet), then the kubelets.
 const (
 	StageAPIServer         = k8s.APIServerID
 	StageControllerManager = k8s.ControllerManagerID
 	StageScheduler         = k8s.SchedulerID
+	StageKubeProxy         = "kube-proxy"
+	StageManifests         = "bootstrap-manifests"
 	StageKubelet           = "kubelet"
 )
 
-// Steps of the kubernetes kind: in each stage, the patch of the image in
-// the machine's configuration, then the wait for what runs it.
+// Steps of the kubernetes kind: in each machine stage, the patch of the
+// image in the machine's configuration, then the wait for what runs it; in
+// the bootstrap-manifests stage, the wait for Talos to render the new
+// kube-proxy image, the sync, and the wait for what it applied to
+// reconcile (kube-proxy's DaemonSet rolled out).
 const (
-	StepPatchImage = "patch-image"
-	StepPodReady   = "pod-ready"
-	StepKubelet    = "kubelet-ready"
+	StepPatchImage        = "patch-image"
+	StepPodReady          = "pod-ready"
+	StepKubelet           = "kubelet-ready"
+	StepManifestsRendered = "manifests-rendered"
+	StepSyncManifests     = "sync-manifests"
+	StepManifestsReady    = "manifests-ready"
 )
 
 // KubernetesUpgrade moves a cluster's Kubernetes to spec.kubernetes.version
@@ -97,6 +107,8 @@ func (KubernetesUpgrade) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatu
 		{Name: StageAPIServer, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageControllerManager, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageScheduler, Roles: cp, Order: ichorv1.StageOneAtATime},
+		{Name: StageKubeProxy, Roles: cp, Order: ichorv1.StageOneAtATime},
+		{Name: StageManifests, Roles: cp, Order: ichorv1.StageOnce},
 		{Name: StageKubelet, Order: ichorv1.StageRolling},
 	}...)
 }
@@ -109,7 +121,12 @@ func (KubernetesUpgrade) Steps(op *ichorv1.TalosOperation, _ *ichorv1.MachineSta
 	if c, ok := staticPodComponents[op.Status.Stage]; ok {
 		return []Step{imagePatchStep(c.image), podReadyStep(op.Status.Stage, c)}
 	}
-	if op.Status.Stage == StageKubelet {
+	switch op.Status.Stage {
+	case StageKubeProxy:
+		return []Step{imagePatchStep(proxyImage)}
+	case StageManifests:
+		return []Step{manifestsRenderedStep(), syncManifestsStep(), manifestsReadyStep()}
+	case StageKubelet:
 		return []Step{imagePatchStep(kubeletImage), kubeletReadyStep()}
 	}
 	return nil
@@ -123,6 +140,9 @@ type image struct {
 	// keepSuffix keeps what follows the version in the tag (the kubelet's
 	// -fat or -slim flavours).
 	keepSuffix bool
+	// off, when set, says why the configuration runs no such image (the
+	// machine is then done with it), or "".
+	off func(config.Provider) string
 }
 
 // staticPodComponent is a control-plane component: its image, and the COSI
@@ -138,19 +158,36 @@ var staticPodComponents = map[string]staticPodComponent{
 		func(cfg *v1alpha1.Config, ref string) {
 			cluster(cfg).APIServerConfig = orNew(cluster(cfg).APIServerConfig)
 			cluster(cfg).APIServerConfig.ContainerImage = ref
-		}, false}, *k8s.NewAPIServerConfig().Metadata()},
+		}, false, nil}, *k8s.NewAPIServerConfig().Metadata()},
 	StageControllerManager: {image{"cluster.controllerManager.image",
 		func(c config.Provider) string { return c.Cluster().ControllerManager().Image() },
 		func(cfg *v1alpha1.Config, ref string) {
 			cluster(cfg).ControllerManagerConfig = orNew(cluster(cfg).ControllerManagerConfig)
 			cluster(cfg).ControllerManagerConfig.ContainerImage = ref
-		}, false}, *k8s.NewControllerManagerConfig().Metadata()},
+		}, false, nil}, *k8s.NewControllerManagerConfig().Metadata()},
 	StageScheduler: {image{"cluster.scheduler.image",
 		func(c config.Provider) string { return c.Cluster().Scheduler().Image() },
 		func(cfg *v1alpha1.Config, ref string) {
 			cluster(cfg).SchedulerConfig = orNew(cluster(cfg).SchedulerConfig)
 			cluster(cfg).SchedulerConfig.ContainerImage = ref
-		}, false}, *k8s.NewSchedulerConfig().Metadata()},
+		}, false, nil}, *k8s.NewSchedulerConfig().Metadata()},
+}
+
+var proxyImage = image{field: "cluster.proxy.image",
+	get: func(c config.Provider) string { return c.Cluster().Proxy().Image() },
+	set: func(cfg *v1alpha1.Config, ref string) {
+		cluster(cfg).ProxyConfig = orNew(cluster(cfg).ProxyConfig)
+		cluster(cfg).ProxyConfig.ContainerImage = ref
+	},
+	off: proxyDisabled}
+
+// proxyDisabled says so when the configuration disables kube-proxy: Talos
+// then renders no kube-proxy manifest, and there is nothing to move.
+func proxyDisabled(c config.Provider) string {
+	if c.Cluster() != nil && !c.Cluster().Proxy().Enabled() {
+		return "kube-proxy is disabled (cluster.proxy.disabled): nothing to upgrade"
+	}
+	return ""
 }
 
 var kubeletImage = image{"machine.kubelet.image",
@@ -161,7 +198,7 @@ var kubeletImage = image{"machine.kubelet.image",
 		}
 		cfg.MachineConfig.MachineKubelet = orNew(cfg.MachineConfig.MachineKubelet)
 		cfg.MachineConfig.MachineKubelet.KubeletImage = ref
-	}, true}
+	}, true, nil}
 
 // moved is the image in the machine's active configuration, and the
 // reference it moves to at version.
@@ -219,6 +256,11 @@ func imagePatchStep(img image) Step {
 		active, err := mc.Active(ctx)
 		if err != nil {
 			return Outcome{}, configFail(err)
+		}
+		if img.off != nil {
+			if why := img.off(active); why != "" {
+				return Outcome{Done: true, Message: why}, nil
+			}
 		}
 		cur, want, err := img.moved(active, version)
 		if err != nil {

@@ -14,16 +14,18 @@ import (
 	"slices"
 
 	"github.com/fluxcd/cli-utils/pkg/object"
+	"github.com/siderolabs/talos/pkg/machinery/constants"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
 // The inventory Talos keeps.
 const (
-	Namespace = "kube-system"
-	Name      = "talos-bootstrap-manifests-inventory"
+	Namespace = constants.KubernetesInventoryNamespace
+	Name      = constants.KubernetesBootstrapManifestsInventoryName
 	// OwningAnnotation on an object names the inventory that owns it.
 	OwningAnnotation = "config.k8s.io/owning-inventory"
 )
@@ -124,6 +126,33 @@ func Remove(ctx context.Context, c client.Client, objs ...Object) error {
 	}
 	if err := c.Update(ctx, cm); err != nil {
 		return fmt.Errorf("remove %d object(s) from ConfigMap %s/%s: %w", len(objs), Namespace, Name, err)
+	}
+	return nil
+}
+
+// Write makes the inventory track exactly objs, as go-kubernetes' ConfigMap
+// inventory writes it (one key per object, empty values), creating the
+// ConfigMap if Talos keeps none yet. The update carries the
+// resourceVersion it read: a conflict is returned (read again and retry).
+func Write(ctx context.Context, c client.Client, objs []Object) error {
+	data := make(map[string]string, len(objs))
+	for _, o := range objs {
+		data[Key(o)] = ""
+	}
+	cm, err := get(ctx, c)
+	if err != nil {
+		return err
+	}
+	if cm == nil {
+		cm = &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Namespace: Namespace, Name: Name}, Data: data}
+		if err := c.Create(ctx, cm); err != nil {
+			return fmt.Errorf("create ConfigMap %s/%s: %w", Namespace, Name, err)
+		}
+		return nil
+	}
+	cm.Data = data
+	if err := c.Update(ctx, cm); err != nil {
+		return fmt.Errorf("write %d object(s) to ConfigMap %s/%s: %w", len(objs), Namespace, Name, err)
 	}
 	return nil
 }

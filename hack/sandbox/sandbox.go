@@ -337,6 +337,7 @@ func (s *Sandbox) openLog() error {
 // binds them to 127.0.0.1) and writes an admin kubeconfig.
 func (s *Sandbox) startAPIServer() error {
 	s.env = &envtest.Environment{BinaryAssetsDirectory: s.cfg.Assets, ControlPlaneStartTimeout: controlplane.StartTimeout}
+	controlplane.ServiceCIDRArg(s.env)
 	cfg, err := s.env.Start()
 	if err != nil {
 		s.env = nil

@@ -24,6 +24,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"sigs.k8s.io/controller-runtime/pkg/envtest"
 )
 
 // Controllers are the kube-controller-manager controllers the test world
@@ -150,6 +152,19 @@ func freePort() (int, error) {
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// ServiceCIDR is the API server's service IP range in the test world and the
+// sandbox: Talos's default cluster.network.serviceSubnets, which the
+// simulated machines' configurations carry. The bootstrap manifests Talos
+// renders from them put the kube-dns Service at its 10th address
+// (10.96.0.10), which an API server on envtest's own range (10.0.0.0/24)
+// refuses.
+const ServiceCIDR = "10.96.0.0/12"
+
+// ServiceCIDRArg sets ServiceCIDR on an envtest API server.
+func ServiceCIDRArg(env *envtest.Environment) {
+	env.ControlPlane.GetAPIServer().Configure().Set("service-cluster-ip-range", ServiceCIDR)
 }
 
 // StartTimeout bounds how long a component (kube-apiserver and etcd too,

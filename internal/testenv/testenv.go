@@ -94,6 +94,7 @@ func Start() (*Env, error) {
 		ErrorIfCRDPathMissing: true,
 		Scheme:                Scheme,
 	}
+	controlplane.ServiceCIDRArg(env)
 	if os.Getenv("KUBEBUILDER_CONTROLPLANE_START_TIMEOUT") == "" {
 		env.ControlPlaneStartTimeout = controlplane.StartTimeout
 	}
