@@ -48,8 +48,11 @@ func readRendered(ctx context.Context, e *Env) (rendered, error) {
 		return rendered{}, Fail("KubeProxyNotPatched", "cluster.proxy.image on %s is %s, not at %s: retry to patch it again", e.Machine.Name, want, version)
 	}
 	objs, err := bootstrap.Read(talosclient.WithNode(ctx, e.Address), e.Talos.COSI)
-	if err != nil {
+	if talos.Unreachable(err) {
 		return rendered{}, err
+	}
+	if err != nil {
+		return rendered{}, Fail("ManifestsNotRead", "%s: %w; once it answers, retry", e.Machine.Name, err)
 	}
 	got := "no kube-proxy DaemonSet"
 	for _, o := range objs {
