@@ -222,8 +222,11 @@ func TestKubeProxyStageFaultAndRetry(t *testing.T) {
 	checkKubeProxyRolled(t, "registry.k8s.io/kube-proxy:"+to, 3, 2)
 	mu.Lock()
 	defer mu.Unlock()
-	if ds := kubelets; ds == nil || ds.Status.ObservedGeneration != 2 || ds.Status.UpdatedNumberScheduled != 3 || ds.Status.NumberAvailable != 3 {
-		t.Errorf("kube-proxy when the kubelet stage began: %+v, want generation 2 rolled out to 3 nodes", ds)
+	if kubelets == nil {
+		t.Error("the kubelet stage patched no control plane")
+	} else if st := kubelets.Status; st.ObservedGeneration != 2 || st.UpdatedNumberScheduled != 3 || st.NumberAvailable != 3 {
+		t.Errorf("kube-proxy when the kubelet stage began: generation %d, %d updated, %d available; want generation 2 rolled out to 3 nodes",
+			st.ObservedGeneration, st.UpdatedNumberScheduled, st.NumberAvailable)
 	}
 	rec := c.fleet.Recorder()
 	for _, m := range c.fleet.Machines() {
