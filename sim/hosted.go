@@ -75,7 +75,7 @@ func newHosting(f *Fleet) (*hosting, error) {
 		h.dir, h.ownDir = dir, true
 	}
 	var err error
-	if h.admin, err = adminCertificate(f.secrets.Certs.K8s); err != nil {
+	if h.admin, err = AdminCertificate(f.secrets.Certs.K8s); err != nil {
 		return nil, err
 	}
 	if h.lb, err = controlplane.NewBalancer("127.0.0.1:0"); err != nil {
@@ -84,9 +84,9 @@ func newHosting(f *Fleet) (*hosting, error) {
 	return h, nil
 }
 
-// adminCertificate is an admin client certificate from the Kubernetes CA,
+// AdminCertificate is an admin client certificate from a Kubernetes CA,
 // as Talos's kubeconfig generator issues it (CN admin, O system:masters).
-func adminCertificate(ca *x509.PEMEncodedCertificateAndKey) (*x509.PEMEncodedCertificateAndKey, error) {
+func AdminCertificate(ca *x509.PEMEncodedCertificateAndKey) (*x509.PEMEncodedCertificateAndKey, error) {
 	auth, err := x509.NewCertificateAuthorityFromCertificateAndKey(ca)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes CA: %w", err)
@@ -299,9 +299,16 @@ func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began
 		return
 	}
 	defer log.Close()
+	// Probed as its machine's admin would be: from its own cluster.ca,
+	// which it accepts whatever else it no longer does.
+	probe, err := AdminCertificate(&x509.PEMEncodedCertificateAndKey{Crt: in.ca, Key: in.caKey})
+	if err != nil {
+		m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
+		return
+	}
 	p, err := controlplane.StartAPIServer(ctx, controlplane.APIServer{
 		Assets: h.spec.Assets, Args: args, Address: a.address, Log: log,
-		CA: in.ca, ClientCert: h.admin.Crt, ClientKey: h.admin.Key,
+		CA: in.ca, ClientCert: probe.Crt, ClientKey: probe.Key,
 	})
 	if err != nil {
 		if ctx.Err() == nil {

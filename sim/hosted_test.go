@@ -17,6 +17,7 @@ import (
 	"github.com/siderolabs/crypto/x509"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/config/generate/secrets"
 	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -312,4 +313,71 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 		return err == nil && got == want, nil
 	})
 	t.Logf("API back %s after power-on", time.Since(began).Round(time.Millisecond))
+}
+
+// authenticatesWith says whether cp's API server, verified with serverCA,
+// accepts a client certificate issued from clientCA; a failed TLS
+// verification of the server is an error.
+func authenticatesWith(t *testing.T, cp *sim.Machine, serverCA []byte, clientCA *x509.PEMEncodedCertificateAndKey) (bool, error) {
+	t.Helper()
+	crt, err := sim.AdminCertificate(clientCA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kc, err := kubernetes.NewForConfig(&rest.Config{Host: "https://" + cp.APIServer().Address,
+		TLSClientConfig: rest.TLSClientConfig{CAData: serverCA, CertData: crt.Crt, KeyData: crt.Key}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := timeout()
+	defer cancel()
+	_, err = kc.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{})
+	if apierrors.IsUnauthorized(err) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// TestHostedKubernetesCA: the API server serves a certificate from
+// cluster.ca and accepts clients of cluster.ca and cluster.acceptedCAs,
+// through Talos's rotation (accept the new CA, swap, drop the old one):
+// once the old CA is dropped, a client certificate it issued is refused.
+func TestHostedKubernetesCA(t *testing.T) {
+	f, _, _ := hostedFleet(t, 1)
+	cp := f.ControlPlanes()[0]
+	oldCA := cp.Config().Cluster().IssuingCA()
+	ca, err := secrets.NewKubernetesCA(time.Now(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	newCA := &x509.PEMEncodedCertificateAndKey{Crt: ca.CrtPEM, Key: ca.KeyPEM}
+	want := func(step string, serverCA []byte, client *x509.PEMEncodedCertificateAndKey, accepted bool) {
+		t.Helper()
+		ok, err := authenticatesWith(t, cp, serverCA, client)
+		if err != nil || ok != accepted {
+			t.Errorf("%s: accepted %v, %v; want accepted %v", step, ok, err, accepted)
+		}
+	}
+
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterAcceptedCAs = []*x509.PEMEncodedCertificate{{Crt: newCA.Crt}}
+	})
+	want("new CA accepted: old client", oldCA.Crt, oldCA, true)
+	want("new CA accepted: new client", oldCA.Crt, newCA, true)
+
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterCA = newCA
+		cfg.ClusterConfig.ClusterAcceptedCAs = []*x509.PEMEncodedCertificate{{Crt: oldCA.Crt}}
+	})
+	if _, err := authenticatesWith(t, cp, oldCA.Crt, oldCA); err == nil {
+		t.Error("after the swap the serving certificate still verifies with the old CA")
+	}
+	want("swapped: old client", newCA.Crt, oldCA, true)
+	want("swapped: new client", newCA.Crt, newCA, true)
+
+	applyAll(t, f, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterAcceptedCAs = nil
+	})
+	want("old CA dropped: old client", newCA.Crt, oldCA, false)
+	want("old CA dropped: new client", newCA.Crt, newCA, true)
 }
