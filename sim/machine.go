@@ -308,8 +308,10 @@ func (m *Machine) begin(kind ActionKind, stage runtime.MachineStage, sequenceNam
 
 // goDown stops the machine: its API stops answering (a control plane's
 // listener closes), calls in flight fail, its Node turns NotReady and its
-// etcd member drops out of quorum.
-func (m *Machine) goDown(actor string) {
+// etcd member drops out of quorum. It returns when the machine stopped
+// answering: the reboot's time runs from then, not from when the API server
+// has recorded it (a real machine's boot does not wait for those writes).
+func (m *Machine) goDown(actor string) time.Time {
 	m.mu.Lock()
 	events := m.events
 	m.mu.Unlock()
@@ -328,12 +330,14 @@ func (m *Machine) goDown(actor string) {
 	if m.ep != nil {
 		m.ep.close()
 	}
+	down := time.Now()
 	m.f.etcd.update()
 	m.f.kube.nodeDown(m)
 	// Its kubelet's last word went through its own API server, which
 	// stops with it (the last control plane's takes the API along).
 	m.apiServer.stop()
 	m.f.logf("%s: down", m.Name())
+	return down
 }
 
 // powerOff leaves the machine off until PowerOn (or the fleet stops).
@@ -352,10 +356,11 @@ func (m *Machine) powerOff(ctx context.Context) error {
 	}
 }
 
-// waitReturn is the time a machine takes to come back, held while a
-// no-return fault is set.
-func (m *Machine) waitReturn(ctx context.Context) error {
-	if err := sleep(ctx, m.f.spec.Durations.Reboot); err != nil {
+// waitReturn is the time a machine takes to come back, Durations.Reboot
+// from since (when it went down or was powered on), held while a no-return
+// fault is set.
+func (m *Machine) waitReturn(ctx context.Context, since time.Time) error {
+	if err := sleep(ctx, m.f.spec.Durations.Reboot-time.Since(since)); err != nil {
 		return err
 	}
 	for {
@@ -475,8 +480,7 @@ func (m *Machine) reboot(ctx context.Context, actor string) {
 	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
 		return
 	}
-	m.goDown(actor)
-	if m.waitReturn(ctx) != nil {
+	if m.waitReturn(ctx, m.goDown(actor)) != nil {
 		return
 	}
 	m.boot(actor)
@@ -502,10 +506,11 @@ func (m *Machine) legacyUpgrade(ctx context.Context, actor string, in installer,
 		return
 	}
 	m.install(in)
+	since := time.Now() // staged: the second reboot, after the install
 	if !stage {
-		m.goDown(actor)
+		since = m.goDown(actor)
 	}
-	if m.waitReturn(ctx) != nil {
+	if m.waitReturn(ctx, since) != nil {
 		return
 	}
 	m.boot(actor)
@@ -536,7 +541,7 @@ func (m *Machine) shutdown(ctx context.Context, actor string, force bool) {
 		return
 	}
 	m.goDown(actor)
-	if m.powerOff(ctx) != nil || m.waitReturn(ctx) != nil {
+	if m.powerOff(ctx) != nil || m.waitReturn(ctx, time.Now()) != nil {
 		return
 	}
 	m.boot(actor)
@@ -565,13 +570,14 @@ func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
 		m.f.etcd.wipe(m)
 	}
 	m.f.kube.resetPods(ctx, m)
-	m.goDown(actor)
+	since := m.goDown(actor)
 	if !p.reboot {
 		if m.powerOff(ctx) != nil {
 			return
 		}
+		since = time.Now()
 	}
-	if m.waitReturn(ctx) != nil {
+	if m.waitReturn(ctx, since) != nil {
 		return
 	}
 	m.boot(actor)
