@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -123,6 +124,27 @@ type Lock struct {
 	Queue Queue
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+
+	// mu guards last: the Lease as this Lock last read it live or wrote
+	// it. Confirm makes its guarded write on it, so that confirming costs
+	// one round trip while nobody else writes the Lease (a stale one only
+	// makes that write conflict, and Confirm reads the Lease again).
+	mu   sync.Mutex
+	last *coordinationv1.Lease
+}
+
+// remember keeps lease as the last one seen.
+func (l *Lock) remember(lease *coordinationv1.Lease) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.last = lease
+}
+
+// lastSeen is the last Lease seen, for a guarded write.
+func (l *Lock) lastSeen() Seen {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return Seen{l.last}
 }
 
 // Request is a taker's request for the lock.
@@ -279,6 +301,9 @@ func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
+	}
+	if r == l.live() {
+		l.remember(lease.DeepCopy())
 	}
 	return lease, nil
 }
@@ -460,6 +485,7 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 	if err != nil {
 		return fmt.Errorf("update cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
 	}
+	l.remember(lease) // as the API server answered: its resourceVersion is the new one
 	return nil
 }
 
@@ -467,8 +493,11 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 // lock: call it right before a step that disrupts a machine. A taker that
 // judged h stale from an earlier read then fails to take the lock (its
 // write conflicts with this one); if it took the lock first, Confirm
-// returns a *NotHeldError and nothing may start.
-func (l *Lock) Confirm(ctx context.Context, h Holder) error { return l.ConfirmSeen(ctx, h, Seen{}) }
+// returns a *NotHeldError and nothing may start. The write is made on the
+// Lease as this Lock last saw it, and on a fresh read when that is stale.
+func (l *Lock) Confirm(ctx context.Context, h Holder) error {
+	return l.ConfirmSeen(ctx, h, l.lastSeen())
+}
 
 // ConfirmSeen is Confirm that makes its guarded write on the Lease seen
 // (Acquire's, when h already held the lock) without reading it again: the

@@ -282,7 +282,8 @@ func TestConfirmBeatsAStaleJudgement(t *testing.T) {
 					w.setStatus(aOp, running)
 					aErr = confirm(l, a, seen)
 				}
-				lb := *l
+				// Another controller's Lock on the same Lease, judging by its own reads.
+				lb := &lock.Lock{Client: l.Client, Live: l.Live, Namespace: l.Namespace, Queue: l.Queue, Now: l.Now}
 				lb.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
 					v, err := l.Judge.Stale(ctx, h)
 					if !bFirst {
