@@ -347,9 +347,10 @@ func sendConfig(ctx context.Context, e *Env, ch machineconfig.Change, mode machi
 // configVerifyStep checks through COSI that the machine runs the patched
 // configuration (after a reboot: that it came back with it), says how it
 // got there and, when it was drained, uncordons it: one step, so that a
-// rebooted machine is back in service one status write sooner.
+// rebooted machine is back in service one status write sooner. It follows
+// a live apply in the same run.
 func configVerifyStep(uncordon bool) Step {
-	return Step{Name: StepVerify, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepVerify, Timeout: 2 * time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}

@@ -1,8 +1,9 @@
 // Package executor holds one executor per operation kind. An executor only
 // says which machines are in scope, which steps exist for each machine and
 // how each step is done and verified; the operation reconciler drives them,
-// records every step in status before it runs, and owns the lock, the order
-// and pause, resume and retry, which are the same for every kind.
+// records every step in status before it runs (a Chained step: right
+// after), and owns the lock, the order and pause, resume and retry, which
+// are the same for every kind.
 package executor
 
 import (
@@ -61,6 +62,18 @@ type Step struct {
 	// run the reconciler counts it in the machine's status (Calls), so the
 	// step knows whether an earlier run may have made the call.
 	Irreversible bool
+	// Chained marks a Run step that may start right after the step before
+	// it, in the same run, without a status write between the two: a step
+	// that makes no irreversible call and whose start nobody needs recorded
+	// before it begins (a check, a read, a cordon and drain). Every status
+	// write between a machine's steps is a round trip on the way to its
+	// disruption; chaining them takes those off its path. A restarted
+	// controller runs the chain again from the step status last recorded,
+	// so each step of it must be idempotent, as every Run step is. A chain
+	// stops before a step that is not Chained (the one that follows, or the
+	// one Outcome.Next jumps to), after a step that is done, and when the
+	// operation stops (pause, failure, cancel, delete).
+	Chained bool
 }
 
 // Outcome is what a finished step records.

@@ -33,8 +33,9 @@ const (
 
 // etcdHealthStep checks etcd before a control plane is drained; the check
 // that counts comes again right before the disruptive call (see call.make).
+// A check: it follows the step before it in the same run.
 func etcdHealthStep() Step {
-	return Step{Name: StepEtcdHealth, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepEtcdHealth, Timeout: 2 * time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{}, checkEtcd(ctx, e)
 	}}
 }
@@ -57,8 +58,11 @@ func (e *Env) requireAddress() error {
 		"once the kubelet reports one (`kubectl get node %s -o wide`), retry", e.Machine.Name, e.Machine.Name)
 }
 
+// cordonStep cordons the machine, marking the cordon as the operation's.
+// It follows the step before it in the same run: cordoning again is
+// harmless.
 func cordonStep() Step {
-	return Step{Name: StepCordon, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepCordon, Timeout: time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		node, err := e.freshNode(ctx)
 		if err != nil {
 			return Outcome{}, err
@@ -98,7 +102,9 @@ func uncordonStep() Step {
 
 // drainStep evicts the machine's pods within spec.drain.timeout (the step's
 // own timeout leaves it room). Only a drain that ran out of time is forced
-// with onTimeout: force; any other error fails the step.
+// with onTimeout: force; any other error fails the step. It follows the
+// step before it in the same run, as kubectl drain follows its cordon: the
+// disruption it prepares is the next step's, whose start status records.
 func drainStep(op *ichorv1.TalosOperation) Step {
 	d := op.Spec.Drain
 	timeout := DefaultDrainTimeout
@@ -112,7 +118,7 @@ func drainStep(op *ichorv1.TalosOperation) Step {
 	if force {
 		stepTimeout += timeout
 	}
-	return Step{Name: StepDrain, Timeout: stepTimeout, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepDrain, Timeout: stepTimeout, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		timedOut, err := runDrain(ctx, e, timeout, false)
 		if err == nil {
 			return Outcome{}, nil

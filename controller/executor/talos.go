@@ -115,9 +115,10 @@ func inspectStep() Step {
 // on hosts that do not have ImageService (below 1.13). A pull that fails
 // (a version the registry does not have, a registry out of reach) is a
 // failed step on a machine still in service. The install pulls again,
-// from the machine's cache.
+// from the machine's cache. It follows inspect in the same run: pulling
+// again is harmless.
 func pullStep() Step {
-	return Step{Name: StepPull, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepPull, Timeout: 10 * time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		image, err := installerImage(ctx, e)
 		if err != nil {
 			return Outcome{}, err

@@ -23,25 +23,48 @@ func (t *turn) collect() {
 		if m.Phase != ichorv1.MachineInProgress {
 			continue
 		}
-		res, ok := t.r.runner.take(t.key(m.Name), m.Step, m.Attempts)
+		k := t.key(m.Name)
+		res, ok := t.r.runner.take(k, m.Step, m.Attempts)
 		if !ok {
-			if msg, ok := t.r.runner.progress(t.key(m.Name), m.Step, m.Attempts); ok {
+			if step, recorded, ok := t.r.runner.runningStep(k, m.Step, m.Attempts); ok {
+				t.moveTo(m, step, recorded) // a Chained step runs now
+			}
+			if msg, ok := t.r.runner.progress(k, m.Step, m.Attempts); ok {
 				m.Message = msg // what the running step says it is doing
 			}
 			continue
 		}
+		done := res.ran
 		if res.err != nil {
-			t.fail(m, res.step, res.err)
+			done = done[:len(done)-1] // the duration metric is of steps that succeeded
+		}
+		for _, s := range done {
+			observeStep(t.op.Spec.Kind, s.name, s.took)
+		}
+		if res.err != nil {
+			t.moveTo(m, res.last(), res.outcome)
+			t.fail(m, m.Step, res.err)
 			continue
 		}
-		observeStep(t.op.Spec.Kind, res.step, res.took)
+		t.moveTo(m, res.last(), executor.Outcome{})
 		t.finishStep(m, res.outcome)
 	}
 }
 
-// finishStep records a step's outcome and moves the machine to its next
-// step, or to Succeeded after its last one.
-func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
+// moveTo records that the machine's run has reached step, a Chained step
+// after the one status records, with what the steps before it recorded
+// (the steps after inspect depend on its boot ID, say).
+func (t *turn) moveTo(m *ichorv1.MachineStatus, step string, recorded executor.Outcome) {
+	if step == m.Step {
+		return
+	}
+	record(m, recorded)
+	m.Step, m.Message = step, ""
+	t.event(corev1.EventTypeNormal, "Step", "%s: %s", m.Name, step)
+}
+
+// record keeps what a step's outcome says of the machine.
+func record(m *ichorv1.MachineStatus, out executor.Outcome) {
 	if out.From != "" {
 		m.From = out.From
 	}
@@ -51,6 +74,12 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	if out.BootID != "" {
 		m.BootID = out.BootID
 	}
+}
+
+// finishStep records a step's outcome and moves the machine to its next
+// step, or to Succeeded after its last one.
+func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
+	record(m, out)
 	m.Message, m.Calls = out.Message, 0
 	next := ""
 	if !out.Done {
@@ -130,6 +159,7 @@ func (t *turn) checkWaits(ctx context.Context) time.Duration {
 // nothing new. A Wait step is no launch: a reboot under way is watched
 // until it has finished.
 func (t *turn) stopBetweenSteps() {
+	t.r.runner.halt(t.op.UID)
 	st := &t.op.Status
 	for i := range st.Machines {
 		m := &st.Machines[i]
@@ -158,10 +188,7 @@ func (t *turn) persistedAt(m *ichorv1.MachineStatus) bool {
 
 // check evaluates a Wait step and returns when to look again for its timeout.
 func (t *turn) check(ctx context.Context, m *ichorv1.MachineStatus, step executor.Step) time.Duration {
-	timeout := step.Timeout
-	if timeout == 0 {
-		timeout = t.r.StepTimeout
-	}
+	timeout := t.r.timeout(step)
 	deadline := t.r.runner.waitDeadline(stepKey{t.key(m.Name), m.Step, m.Attempts}, t.now.Time, timeout)
 	done, out, err := step.Wait(ctx, t.env(*m))
 	if err != nil {
@@ -248,18 +275,55 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 			}
 			confirmed = true
 		}
-		timeout := step.Timeout
-		if timeout == 0 {
-			timeout = t.r.StepTimeout
-		}
 		env := t.env(m)
 		env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-		if err := t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, timeout, env, t.talos.Another()); err != nil {
+		if err := t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(op, env)); err != nil {
 			t.notStarted(m, err)
 			again = true
 		}
 	}
 	return again, nil
+}
+
+// follower gives the Chained step that follows a step of a run on env's
+// machine, with what the run's steps recorded so far (its boot ID, say,
+// which decides the steps after inspect), once a Confirm says that the
+// cluster lock is still the operation's: a cordon after a takeover would
+// overlap another holder's disruption. It runs in the run's goroutine and
+// changes only env, which is the run's own.
+func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower {
+	exec, log, r := t.exec, t.log, t.r
+	return func(ctx context.Context, current string, out executor.Outcome) (executor.Step, time.Duration, bool) {
+		if out.Done {
+			return executor.Step{}, 0, false
+		}
+		m := &env.Machine
+		record(m, out)
+		steps := exec.Steps(op, m)
+		name := out.Next
+		if name == "" {
+			name = nextStep(steps, current)
+		}
+		next, ok := findStep(steps, name)
+		if !ok || !next.Chained || next.Run == nil || next.Irreversible {
+			return executor.Step{}, 0, false
+		}
+		if err := env.Lock.Confirm(ctx, env.Holder); err != nil {
+			env.Log.Info("not going on to the next step in this run", "next", next.Name, "why", err.Error())
+			return executor.Step{}, 0, false
+		}
+		m.Step, m.Message = next.Name, out.Message
+		env.Log = log.WithValues("machine", m.Name, "step", next.Name, "attempt", m.Attempts)
+		return next, r.timeout(next), true
+	}
+}
+
+// timeout bounds step: its own timeout, or the reconciler's default.
+func (r *Reconciler) timeout(step executor.Step) time.Duration {
+	if step.Timeout == 0 {
+		return r.StepTimeout
+	}
+	return step.Timeout
 }
 
 // startable says whether launch starts the machine's step (in progress,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -61,18 +62,56 @@ type stepKey struct {
 type job struct {
 	step    string
 	attempt int32
-	cancel  context.CancelFunc
-	// progress is the step's latest message (Env.Progress).
+	// chained are the Chained steps begun after step in the same run, in
+	// order; the last of them (or step) is the one running.
+	chained []string
+	// recorded is what the run's steps that ended recorded of the machine
+	// (From, To, BootID): the steps after them may depend on it.
+	recorded executor.Outcome
+	// halted stops the chain before its next step: the operation stops.
+	halted bool
+	// progress is the running step's latest message (Env.Progress).
 	progress string
 }
 
+// has reports whether the job ran or runs the named step.
+func (j *job) has(step string) bool { return j.step == step || slices.Contains(j.chained, step) }
+
+// current is the step the job runs now.
+func (j *job) current() string {
+	if n := len(j.chained); n > 0 {
+		return j.chained[n-1]
+	}
+	return j.step
+}
+
+// result is what a run ended with: the steps it ran (the one launched,
+// then those chained after it), the outcome of the last, with the From,
+// To and BootID any of them recorded, and the last one's error.
 type result struct {
-	step    string
 	attempt int32
+	ran     []ranStep
 	outcome executor.Outcome
 	err     error
-	took    time.Duration
 }
+
+// ranStep is one step of a run and how long it took.
+type ranStep struct {
+	name string
+	took time.Duration
+}
+
+// has reports whether the run ran the named step.
+func (r result) has(step string) bool {
+	return slices.ContainsFunc(r.ran, func(s ranStep) bool { return s.name == step })
+}
+
+// last is the step the run ended with.
+func (r result) last() string { return r.ran[len(r.ran)-1].name }
+
+// follower gives, once a step of a run has ended with out, the Chained
+// step that follows it in the same run, and its timeout; false ends the run.
+type follower func(ctx context.Context, current string, out executor.Outcome) (executor.Step, time.Duration, bool)
 
 func newRunner(now func() time.Time) *runner {
 	return &runner{
@@ -104,11 +143,11 @@ func (r *runner) NeedLeaderElection() bool { return true }
 func (r *runner) busy(k machineKey, step string, attempt int32) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if j, ok := r.jobs[k]; ok && j.step == step && j.attempt == attempt {
+	if j, ok := r.jobs[k]; ok && j.has(step) && j.attempt == attempt {
 		return true
 	}
 	res, ok := r.results[k]
-	return ok && res.step == step && res.attempt == attempt
+	return ok && res.has(step) && res.attempt == attempt
 }
 
 // running reports whether any step of the operation is running.
@@ -118,16 +157,17 @@ func (r *runner) running(op types.UID) []string {
 	var out []string
 	for k, j := range r.jobs {
 		if k.op == op {
-			out = append(out, k.machine+": "+j.step)
+			out = append(out, k.machine+": "+j.current())
 		}
 	}
 	return out
 }
 
-// launch runs step in a goroutine and wakes the operation's reconcile when
-// it ends. The step holds talos, its hold on the Talos client, until then.
-// It says why when it cannot start the step now.
-func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env, talos *talos.Use) error {
+// launch runs step in a goroutine, then each Chained step that follow
+// gives after it, and wakes the operation's reconcile when the run ends.
+// The run holds talos, its hold on the Talos client, until then. It says
+// why when it cannot start the step now.
+func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env, talos *talos.Use, follow follower) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.base == nil || r.base.Err() != nil {
@@ -136,10 +176,9 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 	}
 	if j, ok := r.jobs[k]; ok {
 		talos.Release()
-		return fmt.Errorf("%s (attempt %d) is still running on the machine", j.step, j.attempt)
+		return fmt.Errorf("%s (attempt %d) is still running on the machine", j.current(), j.attempt)
 	}
-	ctx, cancel := context.WithTimeout(r.base, timeout)
-	j := &job{step: step.Name, attempt: attempt, cancel: cancel}
+	j := &job{step: step.Name, attempt: attempt}
 	r.jobs[k] = j
 	r.wg.Add(1)
 	wake := &ichorv1.TalosOperation{}
@@ -148,42 +187,117 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		r.mu.Lock()
 		j.progress = msg
 		r.mu.Unlock()
-		select {
-		case r.trigger <- event.GenericEvent{Object: wake}:
-		default:
-		}
+		r.wake(wake)
 	}
 	go func() {
 		defer r.wg.Done()
-		defer cancel()
 		defer talos.Release()
-		start := r.now()
-		env.Log.V(1).Info("step started")
-		out, err := step.Run(ctx, env)
-		env.Log.V(1).Info("step ended", "took", r.now().Sub(start).String(), "err", err)
-		if r.afterRun != nil {
-			r.afterRun(StepRun{Operation: types.NamespacedName{Namespace: op.Namespace, Name: op.Name}, UID: op.UID,
-				Machine: k.machine, Step: step.Name, Attempt: attempt, Err: err})
-		}
-		if err == nil && ctx.Err() != nil && r.base.Err() != nil {
-			return // the manager is stopping: a new leader runs the step again
-		}
-		if err != nil && ctx.Err() == context.DeadlineExceeded {
-			err = executor.Fail(executor.FailureReason(step.Name), "%s did not finish within %s: %w", step.Name, timeout, err)
+		res := result{attempt: attempt}
+		for {
+			out, err, stopping := r.run(op, k, step, attempt, timeout, env)
+			if stopping {
+				return // the manager is stopping: a new leader runs the step again
+			}
+			res.ran = append(res.ran, ranStep{step.Name, out.took})
+			res.outcome, res.err = carry(res.outcome, out.Outcome), err
+			if err != nil || follow == nil || !r.chain(j, &step, &timeout, follow, out.Outcome, res.outcome) {
+				break
+			}
+			r.wake(wake) // status names the step that runs now
 		}
 		r.mu.Lock()
 		delete(r.jobs, k)
 		if r.base.Err() == nil {
-			r.results[k] = result{step: step.Name, attempt: attempt, outcome: out, err: err, took: r.now().Sub(start)}
+			r.results[k] = res
 		}
 		r.mu.Unlock()
-		select {
-		case r.trigger <- event.GenericEvent{Object: wake}:
-		default:
-			// The channel only wakes reconciles; a full one means one is due anyway.
-		}
+		r.wake(wake)
 	}()
 	return nil
+}
+
+// stepRun is what one step of a run returned, and how long it took.
+type stepRun struct {
+	executor.Outcome
+	took time.Duration
+}
+
+// run runs one step of a run within its timeout. stopping says that the
+// manager stopped under it: its result is nobody's.
+func (r *runner) run(op *ichorv1.TalosOperation, k machineKey, step executor.Step, attempt int32, timeout time.Duration, env *executor.Env) (stepRun, error, bool) {
+	ctx, cancel := context.WithTimeout(r.base, timeout)
+	defer cancel()
+	start := r.now()
+	env.Log.V(1).Info("step started")
+	out, err := step.Run(ctx, env)
+	took := r.now().Sub(start)
+	env.Log.V(1).Info("step ended", "took", took.String(), "err", err)
+	if r.afterRun != nil {
+		r.afterRun(StepRun{Operation: types.NamespacedName{Namespace: op.Namespace, Name: op.Name}, UID: op.UID,
+			Machine: k.machine, Step: step.Name, Attempt: attempt, Err: err})
+	}
+	if err == nil && ctx.Err() != nil && r.base.Err() != nil {
+		return stepRun{}, nil, true
+	}
+	if err != nil && ctx.Err() == context.DeadlineExceeded {
+		err = executor.Fail(executor.FailureReason(step.Name), "%s did not finish within %s: %w", step.Name, timeout, err)
+	}
+	return stepRun{out, took}, err, false
+}
+
+// chain moves the run on to the Chained step that follows the one that
+// ended with out, unless the operation has stopped meanwhile (halt);
+// recorded is what the run's steps have recorded so far.
+func (r *runner) chain(j *job, step *executor.Step, timeout *time.Duration, follow follower, out, recorded executor.Outcome) bool {
+	next, t, ok := follow(r.base, step.Name, out)
+	if !ok {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if j.halted || r.base.Err() != nil {
+		return false
+	}
+	j.chained, j.progress, j.recorded = append(j.chained, next.Name), "", recorded
+	*step, *timeout = next, t
+	return true
+}
+
+// carry is the outcome of a run so far once a step of it ended with out:
+// out, with the versions and boot ID the earlier steps recorded where out
+// records none.
+func carry(so executor.Outcome, out executor.Outcome) executor.Outcome {
+	if out.From == "" {
+		out.From = so.From
+	}
+	if out.To == "" {
+		out.To = so.To
+	}
+	if out.BootID == "" {
+		out.BootID = so.BootID
+	}
+	return out
+}
+
+// wake asks for a reconcile of the operation.
+func (r *runner) wake(op *ichorv1.TalosOperation) {
+	select {
+	case r.trigger <- event.GenericEvent{Object: op}:
+	default:
+		// The channel only wakes reconciles; a full one means one is due anyway.
+	}
+}
+
+// halt stops the operation's runs before their next Chained step: the
+// steps running end, and nothing follows them in the same run.
+func (r *runner) halt(op types.UID) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, j := range r.jobs {
+		if k.op == op {
+			j.halted = true
+		}
+	}
 }
 
 // progress returns the latest message of the machine's running step.
@@ -191,10 +305,22 @@ func (r *runner) progress(k machineKey, step string, attempt int32) (string, boo
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	j, ok := r.jobs[k]
-	if !ok || j.step != step || j.attempt != attempt || j.progress == "" {
+	if !ok || !j.has(step) || j.attempt != attempt || j.progress == "" {
 		return "", false
 	}
 	return j.progress, true
+}
+
+// runningStep is the step the machine's run runs now, and what the run's
+// steps that ended recorded, if its current step is one of that run's.
+func (r *runner) runningStep(k machineKey, step string, attempt int32) (string, executor.Outcome, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	j, ok := r.jobs[k]
+	if !ok || !j.has(step) || j.attempt != attempt {
+		return "", executor.Outcome{}, false
+	}
+	return j.current(), j.recorded, true
 }
 
 // take returns the unrecorded result of the machine's current step.
@@ -202,7 +328,7 @@ func (r *runner) take(k machineKey, step string, attempt int32) (result, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	res, ok := r.results[k]
-	if !ok || res.step != step || res.attempt != attempt {
+	if !ok || !res.has(step) || res.attempt != attempt {
 		return result{}, false
 	}
 	return res, true
@@ -222,7 +348,7 @@ func (r *runner) settle(op *ichorv1.TalosOperation) {
 			continue
 		}
 		m, ok := current[k.machine]
-		if !ok || m.Phase != ichorv1.MachineInProgress || m.Step != res.step || m.Attempts != res.attempt {
+		if !ok || m.Phase != ichorv1.MachineInProgress || !res.has(m.Step) || m.Attempts != res.attempt {
 			delete(r.results, k)
 		}
 	}

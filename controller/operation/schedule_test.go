@@ -187,7 +187,7 @@ func (s *scheduleRun) finishLaunched(fails map[string]string) {
 			err = executor.Fail("InstallFailed", "the installer image could not be pulled")
 		}
 		k := machineKey{op: s.persisted.UID, machine: m.Name}
-		s.r.runner.results[k] = result{step: m.Step, attempt: m.Attempts, err: err}
+		s.r.runner.results[k] = result{ran: []ranStep{{name: m.Step}}, attempt: m.Attempts, err: err}
 	}
 }
 

@@ -1,0 +1,121 @@
+package operation_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/rest"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+const envPatch = "machine:\n  env:\n    HTTP_PROXY: http://proxy.internal:3128\n"
+
+// rebootOn is a config rollout that reboots m alone: inspect, then the
+// Chained cordon-and-drain, then the apply.
+func rebootOn(m *sim.Machine) ichorv1.TalosOperationSpec {
+	op := configSpec(ichorv1.ConfigModeAuto, envPatch)
+	op.Machines = onlyMachine(m)
+	return op
+}
+
+// TestChainedStepsStopWithTheOperation: a pause that arrives while inspect
+// runs stops the run before the drain chained after it: the machine waits,
+// stopped, at drain, neither cordoned nor applied; resuming runs the drain
+// and the rest, and the machine reboots once.
+func TestChainedStepsStopWithTheOperation(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	// The hook holds the run between inspect and the drain chained after
+	// it until the controller has seen the pause.
+	inspected, paused := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	hook := func(s operation.StepRun) {
+		if s.Machine == w.Name() && s.Step == executor.StepInspect && s.Err == nil {
+			once.Do(func() { close(inspected); <-paused })
+		}
+	}
+	c.startWith(testcluster.StartController, func(o *app.Options, _ **rest.Config) { o.TestHookAfterRun = hook })
+	c.create("paused", rebootOn(w))
+	select {
+	case <-inspected:
+	case <-time.After(time.Minute):
+		t.Fatal("inspect never returned")
+	}
+	c.patchSpec("paused", `{"paused":true}`)
+	c.waitFor("paused", "to be paused", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Reason == ichorv1.ReasonPausedByOperator
+	})
+	close(paused)
+	op := c.waitFor("paused", "to stop at drain", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := op.Status.Machines[0]
+		return m.Step == executor.StepDrain && m.Stopped
+	})
+	if cordoned(t, w.Name()) {
+		t.Errorf("%s cordoned while paused: the drain ran after the pause", w.Name())
+	}
+	if n := reboots(c.fleet.Recorder(), w.Name()); n != 0 {
+		t.Errorf("%s rebooted %d times while paused", w.Name(), n)
+	}
+	if m := op.Status.Machines[0]; m.BootID == "" {
+		t.Errorf("inspect's boot ID was not recorded at the pause: %+v", m)
+	}
+	c.patchSpec("paused", `{"paused":false}`)
+	c.waitSucceeded("paused", time.Minute)
+	if n := reboots(c.fleet.Recorder(), w.Name()); n != 1 {
+		t.Errorf("%s rebooted %d times, want once", w.Name(), n)
+	}
+}
+
+// TestChainedStepShownWhileItRuns: status names the Chained step that runs
+// (a drain a PodDisruptionBudget holds), not the step its run began with.
+func TestChainedStepShownWhileItRuns(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	release := c.holdDrain(w.Name())
+	c.start()
+	c.create("held", rebootOn(w))
+	c.atStep("held", executor.StepDrain)
+	release()
+	c.waitSucceeded("held", time.Minute)
+}
+
+// TestKilledInAChain: a controller killed after the drain chained after
+// inspect, before status recorded either's end, is replaced by one that
+// runs the chain again from the step status records: the machine is
+// drained again (harmless), applied and rebooted once, and uncordoned.
+func TestKilledInAChain(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	var first atomic.Pointer[testcluster.Controller]
+	killed := make(chan struct{})
+	var once sync.Once
+	first.Store(c.startKillable(func(s operation.StepRun) {
+		if s.Machine == w.Name() && s.Step == executor.StepDrain && s.Err == nil {
+			once.Do(func() { first.Load().Kill(); close(killed) })
+		}
+	}))
+	c.create("killed", rebootOn(w))
+	select {
+	case <-killed:
+	case <-time.After(time.Minute):
+		t.Fatal("the drain never returned")
+	}
+	c.start()
+	c.waitSucceeded("killed", time.Minute)
+	if n := reboots(c.fleet.Recorder(), w.Name()); n != 1 {
+		t.Errorf("%s rebooted %d times, want once", w.Name(), n)
+	}
+	testenv.Eventually(t, 30*time.Second, w.Name()+" uncordoned", func(context.Context) (bool, error) {
+		return !cordoned(t, w.Name()), nil
+	})
+}
