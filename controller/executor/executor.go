@@ -74,6 +74,12 @@ type Step struct {
 	// one Outcome.Next jumps to), after a step that is done, and when the
 	// operation stops (pause, failure, cancel, delete).
 	Chained bool
+	// Cordons marks a Chained step that takes the machine out of service (a
+	// cordon and drain): in a run, a Confirm of the cluster lock comes right
+	// before it, as before a launch, so that it never overlaps a disruption
+	// of whoever took the lock over meanwhile. The checks and reads chained
+	// elsewhere take nothing away and need none.
+	Cordons bool
 }
 
 // Outcome is what a finished step records.

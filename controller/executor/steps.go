@@ -62,7 +62,7 @@ func (e *Env) requireAddress() error {
 // It follows the step before it in the same run: cordoning again is
 // harmless.
 func cordonStep() Step {
-	return Step{Name: StepCordon, Timeout: time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepCordon, Timeout: time.Minute, Chained: true, Cordons: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		node, err := e.freshNode(ctx)
 		if err != nil {
 			return Outcome{}, err
@@ -118,7 +118,7 @@ func drainStep(op *ichorv1.TalosOperation) Step {
 	if force {
 		stepTimeout += timeout
 	}
-	return Step{Name: StepDrain, Timeout: stepTimeout, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepDrain, Timeout: stepTimeout, Chained: true, Cordons: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		timedOut, err := runDrain(ctx, e, timeout, false)
 		if err == nil {
 			return Outcome{}, nil

@@ -287,9 +287,9 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 
 // follower gives the Chained step that follows a step of a run on env's
 // machine, with what the run's steps recorded so far (its boot ID, say,
-// which decides the steps after inspect), once a Confirm says that the
-// cluster lock is still the operation's: a cordon after a takeover would
-// overlap another holder's disruption. It runs in the run's goroutine and
+// which decides the steps after inspect), and, before a step that Cordons,
+// once a Confirm says that the cluster lock is still the operation's: a
+// cordon after a takeover would overlap another holder's disruption. It runs in the run's goroutine and
 // changes only env, which is the run's own.
 func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower {
 	exec, log, r := t.exec, t.log, t.r
@@ -308,9 +308,11 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		if !ok || !next.Chained || next.Run == nil || next.Irreversible {
 			return executor.Step{}, 0, false
 		}
-		if err := env.Lock.Confirm(ctx, env.Holder); err != nil {
-			env.Log.Info("not going on to the next step in this run", "next", next.Name, "why", err.Error())
-			return executor.Step{}, 0, false
+		if next.Cordons {
+			if err := env.Lock.Confirm(ctx, env.Holder); err != nil {
+				env.Log.Info("not going on to the next step in this run", "next", next.Name, "why", err.Error())
+				return executor.Step{}, 0, false
+			}
 		}
 		m.Step, m.Message = next.Name, out.Message
 		env.Log = log.WithValues("machine", m.Name, "step", next.Name, "attempt", m.Attempts)
