@@ -225,7 +225,9 @@ func waitDownStep() Step {
 			if bootedSince(ctx, e) {
 				return true, Outcome{Message: "went down and is back: the machine has booted again since"}, nil
 			}
-			return false, Outcome{Message: "waiting for the machine to go down"}, nil
+			// Looked at again: a reboot shorter than the Node's NotReady
+			// round trip shows no change that Kubernetes announces.
+			return false, Outcome{Message: "waiting for the machine to go down", Recheck: time.Second}, nil
 		}
 		if err := e.requireAddress(); err != nil {
 			return false, Outcome{}, err
