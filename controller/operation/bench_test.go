@@ -45,7 +45,7 @@ type watcher struct {
 	writes map[string]int
 }
 
-func watchOps(b *testing.B, ns string) *watcher {
+func watchOps(b testing.TB, ns string) *watcher {
 	b.Helper()
 	wc, err := client.NewWithWatch(env.Config, client.Options{Scheme: testenv.Scheme})
 	if err != nil {
@@ -60,7 +60,7 @@ func watchOps(b *testing.B, ns string) *watcher {
 }
 
 // until returns when cond holds for an event of the named operation.
-func (w *watcher) until(b *testing.B, name string, timeout time.Duration, cond func(*ichorv1.TalosOperation) bool) time.Time {
+func (w *watcher) until(b testing.TB, name string, timeout time.Duration, cond func(*ichorv1.TalosOperation) bool) time.Time {
 	b.Helper()
 	deadline := time.After(timeout)
 	for {

@@ -255,9 +255,12 @@ func TestKubeProxyDisabled(t *testing.T) {
 	o := app.Options{Namespace: c.ctrlNS}
 	withKubernetes(&o)
 	testcluster.StartController(t, env.Config, o)
+	// Every status written, not a poll's samples: a stage of one machine
+	// can begin and end between two polls.
+	w := watchOps(t, c.ns)
 	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: "v1.35.1"}})
 	var messages []string
-	c.waitFor("k8s", "to pass the kube-proxy stages", 2*time.Minute, func(op *ichorv1.TalosOperation) bool {
+	w.until(t, "k8s", 2*time.Minute, func(op *ichorv1.TalosOperation) bool {
 		if op.Failed() {
 			t.Fatalf("failed: %s: %s", op.Status.FailureReason, op.Status.Message)
 		}
