@@ -83,10 +83,7 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	m.Message, m.Calls = out.Message, 0
 	next := ""
 	if !out.Done {
-		next = out.Next
-		if next == "" {
-			next = nextStep(t.exec.Steps(t.op, m), m.Step)
-		}
+		next = stepAfter(t.exec.Steps(t.op, m), m.Step, out)
 	}
 	if next == "" {
 		// No message unless the step left one: from and to say it, and
@@ -99,7 +96,12 @@ func (t *turn) finishStep(m *ichorv1.MachineStatus, out executor.Outcome) {
 	t.event(corev1.EventTypeNormal, "Step", "%s: %s", m.Name, next)
 }
 
-func nextStep(steps []executor.Step, current string) string {
+// stepAfter names the step a machine goes to once current ended with out
+// (not done): the one out jumps to, or the next in order ("" after the last).
+func stepAfter(steps []executor.Step, current string, out executor.Outcome) string {
+	if out.Next != "" {
+		return out.Next
+	}
 	for i, s := range steps {
 		if s.Name == current && i+1 < len(steps) {
 			return steps[i+1].Name
@@ -289,8 +291,8 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 // machine, with what the run's steps recorded so far (its boot ID, say,
 // which decides the steps after inspect), and, before a step that Cordons,
 // once a Confirm says that the cluster lock is still the operation's: a
-// cordon after a takeover would overlap another holder's disruption. It runs in the run's goroutine and
-// changes only env, which is the run's own.
+// cordon after a takeover would overlap another holder's disruption. It
+// runs in the run's goroutine and changes only env, which is the run's own.
 func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower {
 	exec, log, r := t.exec, t.log, t.r
 	return func(ctx context.Context, current string, out executor.Outcome) (executor.Step, time.Duration, bool) {
@@ -300,11 +302,7 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		m := &env.Machine
 		record(m, out)
 		steps := exec.Steps(op, m)
-		name := out.Next
-		if name == "" {
-			name = nextStep(steps, current)
-		}
-		next, ok := findStep(steps, name)
+		next, ok := findStep(steps, stepAfter(steps, current, out))
 		if !ok || !next.Chained || next.Run == nil || next.Irreversible {
 			return executor.Step{}, 0, false
 		}
