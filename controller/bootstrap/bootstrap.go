@@ -22,6 +22,8 @@ import (
 	"github.com/cosi-project/runtime/pkg/safe"
 	"github.com/cosi-project/runtime/pkg/state"
 	"github.com/fluxcd/cli-utils/pkg/kstatus/polling"
+	"github.com/fluxcd/cli-utils/pkg/kstatus/polling/clusterreader"
+	"github.com/fluxcd/cli-utils/pkg/kstatus/polling/engine"
 	kstatus "github.com/fluxcd/cli-utils/pkg/kstatus/status"
 	"github.com/fluxcd/cli-utils/pkg/object"
 	"github.com/fluxcd/pkg/ssa"
@@ -111,7 +113,12 @@ func Sync(ctx context.Context, c client.Client, objs []*unstructured.Unstructure
 		annotations[inventory.OwningAnnotation] = inventory.Name
 		o.SetAnnotations(annotations)
 	}
-	mgr := ssa.NewResourceManager(c, polling.NewStatusPoller(c, c.RESTMapper(), polling.Options{}), ssa.Owner{Field: constants.KubernetesFieldManagerName})
+	// The apply waits for its first stage (cluster roles, CRDs, namespaces)
+	// reading each object by name: the default poller lists every object of
+	// their kinds, which the controller's RBAC, by name, does not allow.
+	poller := polling.NewStatusPoller(c, c.RESTMapper(), polling.Options{
+		ClusterReaderFactory: engine.ClusterReaderFactoryFunc(clusterreader.NewDirectClusterReader)})
+	mgr := ssa.NewResourceManager(c, poller, ssa.Owner{Field: constants.KubernetesFieldManagerName})
 	cs, applyErr := mgr.ApplyAllStaged(ctx, objs, ssa.ApplyOptions{
 		WaitInterval: 2 * time.Second, WaitTimeout: waitTimeout,
 		CustomStageKinds: map[schema.GroupKind]struct{}{{Kind: "ConfigMap"}: {}, {Kind: "Secret"}: {}},

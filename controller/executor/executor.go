@@ -211,11 +211,12 @@ type Registry map[ichorv1.OperationKind]Executor
 // Default is the registry of the kinds this controller carries out.
 func Default() Registry {
 	return Registry{
-		ichorv1.KindTalos:  TalosUpgrade{},
-		ichorv1.KindCNI:    CNIChange{},
-		ichorv1.KindIchor:  IchorUpgrade{},
-		ichorv1.KindConfig: NewConfigRollout(),
-		ichorv1.KindNode:   NodeAction{},
+		ichorv1.KindTalos:      TalosUpgrade{},
+		ichorv1.KindKubernetes: KubernetesUpgrade{},
+		ichorv1.KindCNI:        CNIChange{},
+		ichorv1.KindIchor:      IchorUpgrade{},
+		ichorv1.KindConfig:     NewConfigRollout(),
+		ichorv1.KindNode:       NodeAction{},
 	}
 }
 

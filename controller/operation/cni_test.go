@@ -593,6 +593,19 @@ func removeKubeProxy(t *testing.T) {
 	} {
 		_ = env.Client.Delete(ctx, o, bg)
 	}
+	// The garbage collector deletes the DaemonSet's pods in the background,
+	// maybe once the test's kubelets are gone and no longer finish a graceful
+	// delete: the next test would count them among its own.
+	testenv.Eventually(t, time.Minute, "kube-proxy's pods gone", func(ctx context.Context) (bool, error) {
+		var pods corev1.PodList
+		if err := env.Client.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": "kube-proxy"}); err != nil {
+			return false, err
+		}
+		for i := range pods.Items {
+			_ = env.Client.Delete(ctx, &pods.Items[i], client.GracePeriodSeconds(0))
+		}
+		return len(pods.Items) == 0, nil
+	})
 }
 
 // Refused cni and ichor operations: each is Refused with a message that

@@ -15,11 +15,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/rest"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/controller/app"
-	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -62,7 +59,7 @@ func TestKubernetesPreflight(t *testing.T) {
 			if tt.patch != nil {
 				applyNoReboot(t, c.fleet, cp, tt.patch)
 			}
-			c.start(withKubernetesKind)
+			c.start()
 			c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: "v1.36.0"}})
 			op := c.waitFor("k8s", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
 			cond := meta.FindStatusCondition(op.Status.Conditions, tt.check)
@@ -81,29 +78,6 @@ func TestKubernetesPreflight(t *testing.T) {
 			}
 		})
 	}
-}
-
-// withKubernetesKind lets the controller take kind kubernetes while no
-// executor carries it out (its stages come separately): the operations
-// these tests create are refused by preflight before any step.
-func withKubernetesKind(o *app.Options, _ **rest.Config) {
-	if o.Executors[ichorv1.KindKubernetes] == nil {
-		o.Executors[ichorv1.KindKubernetes] = preflightOnly{}
-	}
-}
-
-type preflightOnly struct{}
-
-func (preflightOnly) Target(op *ichorv1.TalosOperation) (string, string) {
-	return "Kubernetes " + op.Spec.Kubernetes.Version, op.Spec.Kubernetes.Version
-}
-func (preflightOnly) Scope(_ *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
-	return nodes, nil
-}
-func (preflightOnly) HonourHold() bool                              { return true }
-func (preflightOnly) Check(context.Context, *executor.Env) []string { return nil }
-func (preflightOnly) Steps(*ichorv1.TalosOperation, *ichorv1.MachineStatus) []executor.Step {
-	return nil
 }
 
 // applyNoReboot changes a machine's configuration live through the Talos

@@ -32,13 +32,6 @@ import (
 	"maesh.dev/ichor/sim"
 )
 
-// withKubernetes makes the controller carry out the kubernetes kind, which
-// the default registry still refuses (its removed-items checks are not
-// in yet).
-func withKubernetes(o *app.Options) {
-	o.Executors = executor.Registry{ichorv1.KindKubernetes: executor.KubernetesUpgrade{}}
-}
-
 // TestKubernetesStages: a Kubernetes upgrade pulls the new images, then
 // moves every control plane's kube-apiserver, then kube-controller-manager,
 // then kube-scheduler mirror pod to the new image and configuration
@@ -94,7 +87,6 @@ func TestKubernetesStages(t *testing.T) {
 			}
 		}
 		o := app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}
-		withKubernetes(&o)
 		ctl.Store(testcluster.StartKillable(t, env.Config, o))
 		testenv.Eventually(t, 2*time.Minute, "the controller killed after a patch or the sync, or the operation done", func(ctx context.Context) (bool, error) {
 			select {
@@ -186,7 +178,6 @@ func TestKubeProxyStageFaultAndRetry(t *testing.T) {
 			}
 		}
 	}}
-	withKubernetes(&o)
 	testcluster.StartController(t, env.Config, o)
 	const to = "v1.35.1"
 	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}})
@@ -253,7 +244,6 @@ func TestKubeProxyDisabled(t *testing.T) {
 		cfg.ClusterConfig.ProxyConfig = &v1alpha1.ProxyConfig{Disabled: ptr.To(true)}
 	})
 	o := app.Options{Namespace: c.ctrlNS}
-	withKubernetes(&o)
 	testcluster.StartController(t, env.Config, o)
 	// Every status written, not a poll's samples: a stage of one machine
 	// can begin and end between two polls.

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 
 	"github.com/siderolabs/talos/pkg/machinery/api/common"
@@ -18,13 +17,10 @@ import (
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machineconfig"
 	"maesh.dev/ichor/sim"
 )
-
-func kubernetesKind(o *app.Options, _ **rest.Config) { withKubernetes(o) }
 
 // TestKubernetesPrePull: before the first image patch, the pre-pull stage
 // pulls the new kube-apiserver, kube-controller-manager and kube-scheduler
@@ -45,7 +41,7 @@ func TestKubernetesPrePull(t *testing.T) {
 	noPull.Inject(sim.Fault{Kind: sim.FaultError, Method: "ImagePull", Code: codes.Unimplemented})
 	since := time.Now()
 	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}, MaxUnavailable: 2})
-	c.start(kubernetesKind)
+	c.start()
 
 	rec := c.fleet.Recorder()
 	firstPatch := func() time.Time {
@@ -115,7 +111,7 @@ func TestKubernetesPrePullOffOrRefused(t *testing.T) {
 			c := newCluster(t, spec)
 			c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, MaxUnavailable: 1,
 				Kubernetes: &ichorv1.KubernetesUpgrade{Version: to, PrePullImages: ptr.To(tt.prePull)}})
-			c.start(kubernetesKind)
+			c.start()
 			rec := c.fleet.Recorder()
 			op := c.waitFor("k8s", "to patch an image or fail", time.Minute, func(op *ichorv1.TalosOperation) bool {
 				return op.Failed() || rec.Calls("", "ApplyConfiguration") > 0

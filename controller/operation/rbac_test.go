@@ -8,9 +8,11 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/inventory"
 	"maesh.dev/ichor/sim"
 )
 
@@ -55,6 +57,60 @@ func TestControllerRBAC(t *testing.T) {
 		{[]string{"update", "leases", "-n", ichorv1.DefaultNamespace}, "yes"},
 		{[]string{"delete", "nodes"}, "no"},
 		{[]string{"create", "talosoperations"}, "no"},
+	} {
+		out, _, _ := env.Kubectl(ctx, nil, append([]string{"auth", "can-i", "--as", controllerSA}, tt.args...)...)
+		if got := strings.TrimSpace(out); got != tt.want {
+			t.Errorf("can the controller %s? %q, want %q", strings.Join(tt.args, " "), got, tt.want)
+		}
+	}
+}
+
+// TestKubernetesRBAC runs a Kubernetes upgrade with the controller as its
+// ServiceAccount and exactly the RBAC of manifests/: the bootstrap-manifests
+// stage server-side-applies what Talos renders (kube-proxy's DaemonSet,
+// ServiceAccount and ClusterRoleBinding to system:node-proxier, CoreDNS's
+// Deployment, Service, ConfigMap, ServiceAccount, ClusterRole and its
+// binding) and writes Talos's inventory, and kube-proxy rolls to the new
+// image. It may do that and no more: no other DaemonSet, no Secret, no
+// escalate, no bind of another role.
+func TestKubernetesRBAC(t *testing.T) {
+	ctx := context.Background()
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+		t.Fatal(err)
+	}
+	spec := sim.Cluster("", 1, 1)
+	spec.KubeProxy = true
+	c := newClusterIn(t, spec, ichorv1.DefaultNamespace)
+	c.writeTalosconfig()
+	t.Cleanup(func() {
+		removeBootstrapManifests(t)
+		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
+	})
+	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 2)
+	c.start(as(controllerSA, "system:serviceaccounts", "system:serviceaccounts:ichor-system", "system:authenticated"), withLeaderElection())
+	const to = "v1.35.1"
+	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}})
+	c.waitSucceeded("k8s", 3*time.Minute)
+	checkKubeProxyRolled(t, "registry.k8s.io/kube-proxy:"+to, 2, 2)
+	for _, name := range []string{"kube-proxy", "system:coredns"} {
+		crb := &rbacv1.ClusterRoleBinding{}
+		if err := env.Client.Get(ctx, keyOf("", name), crb); err != nil || crb.Annotations[inventory.OwningAnnotation] != inventory.Name {
+			t.Errorf("ClusterRoleBinding %s was not applied by the sync (%v): annotations %v", name, err, crb.Annotations)
+		}
+	}
+
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"patch", "daemonsets/kube-proxy", "-n", "kube-system"}, "yes"},
+		{[]string{"patch", "daemonsets/other", "-n", "kube-system"}, "no"},
+		{[]string{"patch", "deployments/coredns", "-n", "default"}, "no"},
+		{[]string{"get", "secrets", "-n", "kube-system"}, "no"},
+		{[]string{"bind", "clusterroles/system:node-proxier"}, "yes"},
+		{[]string{"bind", "clusterroles/cluster-admin"}, "no"},
+		{[]string{"escalate", "clusterroles/system:coredns"}, "no"},
+		{[]string{"patch", "clusterrolebindings/cluster-admin"}, "no"},
 	} {
 		out, _, _ := env.Kubectl(ctx, nil, append([]string{"auth", "can-i", "--as", controllerSA}, tt.args...)...)
 		if got := strings.TrimSpace(out); got != tt.want {

@@ -195,8 +195,8 @@ func TestCreateRefusesWhatTheControllerWould(t *testing.T) {
 			"error: ichor-controller would refuse this operation, so nothing was created:\n  MachinesInScope: machine no-such-node is not a Node that spec.machines selects: check the name (`kubectl get nodes`) or drop the selector\n"},
 		{[]string{"rotate", "ca", "--yes"},
 			"error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: this ichor-controller does not carry out kind ca-rotation yet (it carries out talos, node)\n"},
-		{[]string{"upgrade", "kubernetes", "--to", "v1.36.2", "--dry-run=server"},
-			"error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: this ichor-controller does not carry out kind kubernetes yet (it carries out talos, node)\n"},
+		{[]string{"rotate", "keys", "--service-account", "--yes", "--dry-run=server"},
+			"error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: this ichor-controller does not carry out kind key-rotation yet (it carries out talos, node)\n"},
 	}
 	for _, tt := range tests {
 		r := kubectl(t, "", append([]string{"ichor", "-n", ns, "--controller-namespace", ctrl}, tt.args...)...)
