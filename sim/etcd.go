@@ -167,6 +167,7 @@ func (e *etcdCluster) update() {
 	for _, m := range e.f.controlPlanes {
 		m.refreshEtcdService()
 	}
+	e.follow()
 }
 
 func (e *etcdCluster) electLocked() {
@@ -396,6 +397,7 @@ func (e *etcdCluster) leave(m *Machine) error {
 	m.memberID, m.etcdRunning, m.etcdData, m.etcdStopped = 0, false, false, true
 	m.mu.Unlock()
 	m.refreshEtcdService()
+	e.follow()
 	return nil
 }
 

@@ -29,20 +29,15 @@ import (
 
 // Hosted makes the control planes host the Kubernetes API (Spec.Hosted):
 // each runs its own kube-apiserver on its own address, with the flags and
-// files Talos renders from that machine's configuration, all sharing one
-// etcd, behind one endpoint that balances across those that are up.
+// files Talos renders from that machine's configuration, all storing in
+// the etcd the control planes run (see hostedEtcd), behind one endpoint
+// that balances across those that are up.
 type Hosted struct {
-	// Assets is the directory of the kube-apiserver binary
-	// (KUBEBUILDER_ASSETS).
+	// Assets is the directory of the kube-apiserver, etcd and etcdutl
+	// binaries (KUBEBUILDER_ASSETS).
 	Assets string
-	// Etcd is the client URL of the etcd the API servers share.
-	Etcd string
-	// EtcdPrefix is the key prefix the API servers store under (their
-	// --etcd-prefix); default "/sim/<fleet name>", so that a fleet can
-	// share an etcd with another API server.
-	EtcdPrefix string
-	// Dir holds each API server's rendered files and log; empty means a
-	// temporary directory that Stop removes.
+	// Dir holds each API server's rendered files and log, and etcd's data
+	// and log; empty means a temporary directory that Stop removes.
 	Dir string
 }
 
@@ -55,17 +50,15 @@ type hosting struct {
 	lb     *controlplane.Balancer
 	admin  *x509.PEMEncodedCertificateAndKey
 	ca     []byte // cluster.ca as the fleet started
+	etcd   *hostedEtcd
 	mu     sync.Mutex
 	kube   *kube // set once the fleet's Kubernetes side runs
 }
 
 func newHosting(f *Fleet) (*hosting, error) {
 	h := &hosting{spec: *f.spec.Hosted, dir: f.spec.Hosted.Dir, ca: f.secrets.Certs.K8s.Crt}
-	if h.spec.Assets == "" || h.spec.Etcd == "" {
-		return nil, errors.New("sim.Spec.Hosted needs Assets (the kube-apiserver directory, KUBEBUILDER_ASSETS) and Etcd (a client URL)")
-	}
-	if h.spec.EtcdPrefix == "" {
-		h.spec.EtcdPrefix = "/sim/" + f.spec.Name
+	if h.spec.Assets == "" {
+		return nil, errors.New("sim.Spec.Hosted needs Assets (the directory of kube-apiserver and etcd, KUBEBUILDER_ASSETS)")
 	}
 	if h.dir == "" {
 		dir, err := os.MkdirTemp("", "ichor-sim-apiserver-")
@@ -76,6 +69,9 @@ func newHosting(f *Fleet) (*hosting, error) {
 	}
 	var err error
 	if h.admin, err = AdminCertificate(f.secrets.Certs.K8s); err != nil {
+		return nil, err
+	}
+	if h.etcd, err = newHostedEtcd(f, h.spec.Assets, h.dir); err != nil {
 		return nil, err
 	}
 	if h.lb, err = controlplane.NewBalancer("127.0.0.1:0"); err != nil {
@@ -129,6 +125,7 @@ func (h *hosting) kubeSide() *kube {
 }
 
 func (h *hosting) close() {
+	h.etcd.stop()
 	h.lb.Close()
 	if h.ownDir {
 		_ = os.RemoveAll(h.dir)
@@ -288,7 +285,11 @@ func (a *apiServer) stopLocked() {
 func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began time.Time) {
 	m, h := a.m, a.m.f.hosting
 	dir := filepath.Join(h.dir, m.Name(), strconv.Itoa(gen))
-	args, err := in.render(dir, a.address, h.spec)
+	// Its static pod restarts until etcd answers.
+	if h.etcd.wait(ctx) != nil {
+		return
+	}
+	args, err := in.render(dir, a.address, h.etcd.client)
 	if err != nil {
 		m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
 		return
@@ -399,7 +400,7 @@ func apiServerFlags(dir string) map[string][]string {
 
 // render writes the files Talos's RenderSecretsStaticPodController writes
 // for kube-apiserver into dir and returns the flags to run it with.
-func (in apiServerInput) render(dir, address string, h Hosted) ([]string, error) {
+func (in apiServerInput) render(dir, address, etcd string) ([]string, error) {
 	host, port, err := net.SplitHostPort(address)
 	if err != nil {
 		return nil, err
@@ -438,7 +439,7 @@ func (in apiServerInput) render(dir, address string, h Hosted) ([]string, error)
 		"allow-privileged": {"true"}, "anonymous-auth": {"false"}, "api-audiences": {in.endpoint},
 		"authorization-mode": {"Node,RBAC"}, "enable-admission-plugins": {"NodeRestriction"},
 		"enable-bootstrap-token-auth": {"true"}, "profiling": {"false"}, "tls-min-version": {"VersionTLS12"},
-		"etcd-servers": {h.Etcd}, "etcd-prefix": {h.EtcdPrefix}, "service-account-issuer": {in.endpoint},
+		"etcd-servers": {etcd}, "service-account-issuer": {in.endpoint},
 		"service-cluster-ip-range": {strings.Join(in.serviceCIDRs, ",")},
 		// Loopback addresses cannot be the kubernetes Service's endpoints.
 		"endpoint-reconciler-type": {"none"},
@@ -522,6 +523,9 @@ func (f *Fleet) startHosting(kc kubernetes.Interface) error {
 	}
 	if f.spec.APIServer != nil {
 		return errors.New("sim.Spec.APIServer and sim.Spec.Hosted exclude each other: a hosted fleet's API server is its own")
+	}
+	if f.spec.Unbootstrapped {
+		return errors.New("sim.Spec.Hosted needs a bootstrapped fleet: its API servers store in the control planes' etcd, which an unbootstrapped fleet does not run")
 	}
 	h, err := newHosting(f)
 	if err != nil {

@@ -7,13 +7,13 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/siderolabs/crypto/x509"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/client"
@@ -30,14 +30,13 @@ import (
 	"maesh.dev/ichor/sim"
 )
 
-// hostedFleet starts a fleet of cps control planes that host the API
-// (sim.Spec.Hosted), sharing the package's etcd under a prefix of its own,
-// and returns it with a client for its endpoint and that prefix.
-func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface, string) {
+// hostedFleet starts a fleet of cps control planes that host the API and
+// its etcd (sim.Spec.Hosted), and returns it with a client for its
+// endpoint.
+func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface) {
 	t.Helper()
 	spec := fleetSpec(t, cps, 0)
-	prefix := "/sim-test/" + spec.Name + "-" + uuid.NewString()[:8]
-	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Etcd: env.EtcdURL(), EtcdPrefix: prefix, Dir: t.TempDir()}
+	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Dir: t.TempDir()}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	began := time.Now()
@@ -51,7 +50,7 @@ func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface, strin
 	if err != nil {
 		t.Fatal(err)
 	}
-	return f, kc, prefix
+	return f, kc
 }
 
 // applyAll changes the configuration of every control plane live
@@ -126,7 +125,7 @@ func mirrorSecretsVersion(t *testing.T, kc kubernetes.Interface, cp *sim.Machine
 }
 
 func TestHostedServiceAccountKey(t *testing.T) {
-	f, kc, _ := hostedFleet(t, 2)
+	f, kc := hostedFleet(t, 2)
 	ctx, cancel := timeout()
 	defer cancel()
 	if _, err := kc.CoreV1().ServiceAccounts("default").Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "robot"}}, metav1.CreateOptions{}); err != nil {
@@ -167,12 +166,12 @@ func TestHostedServiceAccountKey(t *testing.T) {
 	}
 }
 
-// rawEtcd reads a key from etcd itself (its JSON gateway), bypassing the
-// API servers: what is stored, encrypted or not.
-func rawEtcd(t *testing.T, key string) []byte {
+// rawEtcd reads a key from the fleet's etcd itself (its JSON gateway),
+// bypassing the API servers: what is stored, encrypted or not.
+func rawEtcd(t *testing.T, f *sim.Fleet, key string) []byte {
 	t.Helper()
 	body, _ := json.Marshal(map[string]string{"key": base64.StdEncoding.EncodeToString([]byte(key))})
-	resp, err := http.Post(env.EtcdURL()+"/v3/kv/range", "application/json", bytes.NewReader(body))
+	resp, err := http.Post(f.HostedEtcd().ClientURL+"/v3/kv/range", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatalf("etcd range %s: %v", key, err)
 	}
@@ -197,7 +196,7 @@ func encryptionKey(t *testing.T) string {
 }
 
 func TestHostedEncryptionAtRest(t *testing.T) {
-	f, kc, prefix := hostedFleet(t, 1)
+	f, kc := hostedFleet(t, 1)
 	secrets := kc.CoreV1().Secrets("default")
 	create := func(name string) {
 		t.Helper()
@@ -210,7 +209,7 @@ func TestHostedEncryptionAtRest(t *testing.T) {
 	}
 	wantPrefix := func(name, want string) {
 		t.Helper()
-		if raw := rawEtcd(t, prefix+"/secrets/default/"+name); !bytes.HasPrefix(raw, []byte(want)) {
+		if raw := rawEtcd(t, f, "/registry/secrets/default/"+name); !bytes.HasPrefix(raw, []byte(want)) {
 			t.Errorf("secret %s is stored as %q..., want the prefix %q", name, raw[:min(len(raw), 40)], want)
 		}
 	}
@@ -256,33 +255,15 @@ func TestHostedEncryptionAtRest(t *testing.T) {
 	}
 }
 
+// TestHostedAPIGoesWithTheControlPlanes: with one control plane of three
+// off, the other two keep etcd's quorum and the API answers; with two off
+// the last one's etcd has no quorum and the API does not answer; with all
+// off etcd itself is stopped; once they are powered on etcd starts again
+// on the same data and the API answers with every object intact.
 func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
-	f, kc, _ := hostedFleet(t, 2)
-	cms := kc.CoreV1().ConfigMaps("default")
-	ctx, cancel := timeout()
-	defer cancel()
-	for i := range 3 {
-		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("cm%d", i)}, Data: map[string]string{"i": fmt.Sprint(i)}}
-		if _, err := cms.Create(ctx, cm, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	list := func() (string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		l, err := cms.List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return "", err
-		}
-		var names []string
-		for _, cm := range l.Items {
-			if cm.Name != "kube-root-ca.crt" {
-				names = append(names, cm.Name+"="+cm.Data["i"])
-			}
-		}
-		return strings.Join(names, ","), nil
-	}
-	const want = "cm0=0,cm1=1,cm2=2"
+	f, kc := hostedFleet(t, 3)
+	createConfigMaps(t, kc, "cm0", "cm1", "cm2")
+	const want = "cm0,cm1,cm2"
 
 	c := talos(t, f)
 	cps := f.ControlPlanes()
@@ -294,12 +275,24 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 		testenv.Eventually(t, 30*time.Second, cp.Name()+" off", func(context.Context) (bool, error) { return cp.Off(), nil })
 	}
 	shutdown(cps[0])
-	if got, err := list(); err != nil || got != want {
-		t.Fatalf("with %s down the endpoint answers %q, %v; want %q from %s", cps[0].Name(), got, err, want, cps[1].Name())
+	if got, err := configMaps(kc); err != nil || got != want {
+		t.Fatalf("with %s down the endpoint answers %q, %v; want %q", cps[0].Name(), got, err, want)
 	}
 	shutdown(cps[1])
-	if got, err := list(); err == nil {
+	if got, err := configMaps(kc); err == nil {
+		t.Fatalf("with two of three control planes off (no etcd quorum) the endpoint answers %q", got)
+	}
+	shutdown(cps[2])
+	if got, err := configMaps(kc); err == nil {
 		t.Fatalf("with every control plane off the endpoint answers %q", got)
+	}
+	etcd := f.HostedEtcd()
+	if etcd.Serving {
+		t.Fatal("etcd serves with every control plane off")
+	}
+	if conn, err := net.DialTimeout("tcp", strings.TrimPrefix(etcd.ClientURL, "http://"), time.Second); err == nil {
+		conn.Close()
+		t.Fatalf("etcd still listens on %s with every control plane off", etcd.ClientURL)
 	}
 
 	began := time.Now()
@@ -309,10 +302,13 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 3*time.Minute, "the API back", func(context.Context) (bool, error) {
-		got, err := list()
+		got, err := configMaps(kc)
 		return err == nil && got == want, nil
 	})
-	t.Logf("API back %s after power-on", time.Since(began).Round(time.Millisecond))
+	t.Logf("API back %s after power-on (etcd started in %s)", time.Since(began).Round(time.Millisecond), f.HostedEtcd().LastStart.Round(time.Millisecond))
+	if starts := f.HostedEtcd().Starts; starts != etcd.Starts+1 {
+		t.Fatalf("etcd started %d times after power-on, want once", starts-etcd.Starts)
+	}
 }
 
 // authenticatesWith says whether cp's API server, verified with serverCA,
@@ -343,7 +339,7 @@ func authenticatesWith(t *testing.T, cp *sim.Machine, serverCA []byte, clientCA 
 // through Talos's rotation (accept the new CA, swap, drop the old one):
 // once the old CA is dropped, a client certificate it issued is refused.
 func TestHostedKubernetesCA(t *testing.T) {
-	f, _, _ := hostedFleet(t, 1)
+	f, _ := hostedFleet(t, 1)
 	cp := f.ControlPlanes()[0]
 	oldCA := cp.Config().Cluster().IssuingCA()
 	ca, err := secrets.NewKubernetesCA(time.Now(), nil)

@@ -107,7 +107,12 @@ func (k *kube) stop() {
 }
 
 func (k *kube) ctx() (context.Context, context.CancelFunc) {
-	return context.WithTimeout(k.f.ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(k.f.ctx, 30*time.Second)
+	if !k.f.apiStores() {
+		// The write could only wait for its timeout.
+		cancel()
+	}
+	return ctx, cancel
 }
 
 // registerAll creates (or adopts) every machine's Node, a few at a time.

@@ -747,7 +747,7 @@ func (k *kube) resumePods(m *Machine) {
 
 // resetPods removes the machine's pods: a reset wipes what ran there.
 func (k *kube) resetPods(ctx context.Context, m *Machine) {
-	if k == nil {
+	if k == nil || !k.f.apiStores() {
 		return
 	}
 	k.kubelet.reset(ctx, m)

@@ -566,10 +566,12 @@ func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
 	if sleep(ctx, m.f.spec.Durations.Stop) != nil {
 		return
 	}
+	// Its pods go first, then etcd and EPHEMERAL with it (under
+	// Spec.Hosted the pods' removal needs the etcd that the wipe may stop).
+	m.f.kube.resetPods(ctx, m)
 	if p.wipeEtcd && m.spec.Role == ControlPlane {
 		m.f.etcd.wipe(m)
 	}
-	m.f.kube.resetPods(ctx, m)
 	since := m.goDown(actor)
 	if !p.reboot {
 		if m.powerOff(ctx) != nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/config/configdiff"
 	"github.com/siderolabs/talos/pkg/machinery/config/configloader"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"github.com/siderolabs/talos/pkg/machinery/role"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -355,6 +356,9 @@ func (s *machined) EtcdSnapshot(_ *machine.EtcdSnapshotRequest, srv grpc.ServerS
 	if err := requireLocalEtcd(m); err != nil {
 		return err
 	}
+	if s.f.hosting != nil {
+		return s.f.hosting.etcd.snapshot(srv.Context(), srv)
+	}
 	data, err := s.f.etcd.snapshot()
 	if err != nil {
 		return err
@@ -369,9 +373,17 @@ func (s *machined) EtcdSnapshot(_ *machine.EtcdSnapshotRequest, srv grpc.ServerS
 	return nil
 }
 
-// EtcdRecover stores an uploaded snapshot for a Bootstrap with RecoverEtcd.
+// EtcdRecover stores an uploaded snapshot for a Bootstrap with RecoverEtcd;
+// as Talos, it refuses while /var/lib is not there (a reset has unmounted
+// EPHEMERAL).
 func (s *machined) EtcdRecover(srv grpc.ClientStreamingServer[common.Data, machine.EtcdRecoverResponse]) error {
 	m := callee(srv.Context())
+	m.mu.Lock()
+	resetting := m.stage == runtime.MachineStageResetting
+	m.mu.Unlock()
+	if resetting {
+		return status.Error(codes.FailedPrecondition, "etcd service is not ready for recovery yet")
+	}
 	if err := checkControlPlane(m, "etcd recover"); err != nil {
 		return err
 	}
@@ -393,9 +405,16 @@ func (s *machined) EtcdRecover(srv grpc.ClientStreamingServer[common.Data, machi
 }
 
 // Bootstrap starts etcd as a new cluster on this control plane (from the
-// uploaded snapshot with RecoverEtcd); it needs empty etcd data.
+// uploaded snapshot with RecoverEtcd); it needs empty etcd data and, as
+// Talos's IsBootstrapAllowed, a running machine with no reboot pending.
 func (s *machined) Bootstrap(ctx context.Context, in *machine.BootstrapRequest) (*machine.BootstrapResponse, error) {
 	m := callee(ctx)
+	m.mu.Lock()
+	allowed := m.stage == runtime.MachineStageRunning && !m.applyRebooting
+	m.mu.Unlock()
+	if !allowed {
+		return nil, status.Error(codes.FailedPrecondition, "bootstrap is not available yet")
+	}
 	if err := checkControlPlane(m, "bootstrap"); err != nil {
 		return nil, err
 	}
@@ -405,22 +424,45 @@ func (s *machined) Bootstrap(ctx context.Context, in *machine.BootstrapRequest) 
 	if hasData {
 		return nil, status.Error(codes.AlreadyExists, "etcd data directory is not empty")
 	}
-	var from *snapshotData
-	if in.RecoverEtcd {
-		if snap == nil {
-			return nil, status.Error(codes.FailedPrecondition, "etcd recovery snapshot was not uploaded: call EtcdRecover first")
-		}
-		d, err := parseSnapshot(snap, in.RecoverSkipHashCheck)
-		if err != nil {
-			return nil, status.Errorf(codes.InvalidArgument, "etcd recovery snapshot: %v", err)
-		}
-		from = &d
-		m.mu.Lock()
-		m.recoverSnapshot = nil
-		m.mu.Unlock()
+	if in.RecoverEtcd && snap == nil {
+		return nil, status.Error(codes.FailedPrecondition, "etcd recovery snapshot was not uploaded: call EtcdRecover first")
 	}
+	if !in.RecoverEtcd {
+		snap = nil
+	}
+	from, err := s.bootstrapData(ctx, snap, in.RecoverSkipHashCheck)
+	if err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	m.recoverSnapshot = nil
+	m.mu.Unlock()
 	s.f.etcd.bootstrap(m, from)
+	if s.f.hosting != nil {
+		s.f.restartAPIServers()
+	}
 	return &machine.BootstrapResponse{Messages: []*machine.Bootstrap{{}}}, nil
+}
+
+// bootstrapData is the data a bootstrap starts the new cluster with: none,
+// or what the snapshot holds (under Spec.Hosted restored into the real
+// etcd's new data directory).
+func (s *machined) bootstrapData(ctx context.Context, snap []byte, skipHash bool) (*snapshotData, error) {
+	if s.f.hosting != nil {
+		rev, err := s.f.hosting.etcd.bootstrap(ctx, snap, skipHash)
+		if err != nil || snap == nil {
+			return nil, err
+		}
+		return &snapshotData{Revision: rev}, nil
+	}
+	if snap == nil {
+		return nil, nil
+	}
+	d, err := parseSnapshot(snap, skipHash)
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "etcd recovery snapshot: %v", err)
+	}
+	return &d, nil
 }
 
 // ApplyConfiguration validates the configuration and applies it in the

@@ -15,13 +15,13 @@ import (
 
 // StartHostedFleet starts a fleet whose control planes host the cluster's
 // API (sim.Spec.Hosted): one kube-apiserver each, rendered from its
-// machine configuration, sharing base's etcd under a prefix of the fleet's
-// own, behind the fleet's endpoint. It returns the fleet and an Env
+// machine configuration, storing in the control planes' own etcd, behind
+// the fleet's endpoint. It returns the fleet and an Env
 // attached to that endpoint, running components (the controller manager
 // and scheduler reach the API through the endpoint too; start the
 // controller with its Config). Both stop when the test ends. The other
-// packages' tests keep base's fixed API server.
-func StartHostedFleet(t testing.TB, base *testenv.Env, spec sim.Spec, components testenv.Components) (*sim.Fleet, *testenv.Env) {
+// packages' tests keep their Env's fixed API server.
+func StartHostedFleet(t testing.TB, spec sim.Spec, components testenv.Components) (*sim.Fleet, *testenv.Env) {
 	t.Helper()
 	if spec.Name == "" {
 		spec.Name = "h" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
@@ -32,10 +32,7 @@ func StartHostedFleet(t testing.TB, base *testenv.Env, spec sim.Spec, components
 	if components.NodeLifecycle && spec.Kubelet.NodeLease == 0 {
 		spec.Kubelet.NodeLease = testenv.NodeLease
 	}
-	spec.Hosted = &sim.Hosted{
-		Assets: os.Getenv("KUBEBUILDER_ASSETS"), Etcd: base.EtcdURL(),
-		EtcdPrefix: "/hosted/" + spec.Name + "-" + uuid.NewString()[:8], Dir: t.TempDir(),
-	}
+	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Dir: t.TempDir()}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	fleet, err := sim.Start(ctx, spec, nil)

@@ -25,11 +25,12 @@ func TestMain(m *testing.M) { os.Exit(testenv.Main(m, &env)) }
 
 // TestHostedClusterThroughTheEndpoint: with the control planes hosting the
 // API, the controller manager and the scheduler run the cluster through
-// the fleet's endpoint, and go on while one control plane reboots (its API
-// server down); the controller leads through it.
+// the fleet's endpoint, and go on while one control plane of three reboots
+// (its API server down, its etcd member out: two keep quorum); the
+// controller leads through it.
 func TestHostedClusterThroughTheEndpoint(t *testing.T) {
-	spec := sim.Cluster("hosted", 2, 1)
-	fleet, henv := testcluster.StartHostedFleet(t, env, spec, testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})
+	spec := sim.Cluster("hosted", 3, 1)
+	fleet, henv := testcluster.StartHostedFleet(t, spec, testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})
 	ctx := context.Background()
 	labels := map[string]string{"app": "web"}
 	dep := &appsv1.Deployment{

@@ -1,0 +1,352 @@
+package sim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/siderolabs/talos/pkg/machinery/api/common"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"maesh.dev/ichor/internal/controlplane"
+)
+
+// hostedEtcd is the etcd of a hosted fleet (Spec.Hosted): one real etcd
+// process holding the cluster's data, which the API servers store in. The
+// etcd model (etcdCluster) keeps the membership Talos's API answers with;
+// the process follows it: it serves while the model's cluster has a
+// leader (a quorum of its members up), stops when that quorum is lost
+// (every control plane shut down, or rebooting at once), and starts again
+// on the same data directory when it is back. The data goes when the last
+// member's is wiped (EPHEMERAL reset, etcd leave); a Bootstrap makes a new
+// cluster, from an uploaded snapshot restored with etcdutl as Talos does.
+type hostedEtcd struct {
+	f          *Fleet
+	assets     string
+	dir        string // holds each generation's data directory, the log
+	name       string // the member's name
+	client     string // client URL, http on loopback
+	peer       string // peer URL
+	mu         sync.Mutex
+	gen        int // of the data: each Bootstrap makes a new cluster
+	proc       *controlplane.Process
+	cancel     context.CancelFunc // of the start in flight
+	serving    chan struct{}      // closed while proc serves
+	starts     int
+	lastStart  time.Duration
+	lastFailed error
+}
+
+func newHostedEtcd(f *Fleet, assets, dir string) (*hostedEtcd, error) {
+	ports, err := freePorts(2)
+	if err != nil {
+		return nil, fmt.Errorf("find ports for etcd: %w", err)
+	}
+	e := &hostedEtcd{
+		f: f, assets: assets, dir: filepath.Join(dir, "etcd"), name: f.spec.Name,
+		client:  "http://127.0.0.1:" + strconv.Itoa(ports[0]),
+		peer:    "http://127.0.0.1:" + strconv.Itoa(ports[1]),
+		serving: make(chan struct{}),
+	}
+	return e, os.MkdirAll(e.dir, 0o700)
+}
+
+// freePorts are n distinct free loopback ports.
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+func (e *hostedEtcd) dataDir() string { return filepath.Join(e.dir, "data-"+strconv.Itoa(e.gen)) }
+
+// follow makes the process follow the model: it runs while the cluster has
+// quorum; without a member that holds data, the data is gone.
+func (e *hostedEtcd) follow(quorum, anyData bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case quorum && e.cancel == nil && e.f.ctx.Err() == nil:
+		ctx, cancel := context.WithCancel(e.f.ctx)
+		e.cancel = cancel
+		args, dir := e.args(), e.dataDir()
+		e.f.wg.Go(func() { e.start(ctx, args, dir) })
+	case !quorum:
+		e.stopLocked("its cluster lost quorum")
+	}
+	if !anyData && !quorum {
+		_ = os.RemoveAll(e.dataDir())
+	}
+}
+
+// args are the flags Talos gives etcd that matter here: a new cluster of
+// this one member when its data directory is empty, else what the data
+// directory holds.
+func (e *hostedEtcd) args() []string {
+	args := []string{
+		"--name=" + e.name, "--data-dir=" + e.dataDir(),
+		"--listen-client-urls=" + e.client, "--advertise-client-urls=" + e.client,
+		"--listen-peer-urls=" + e.peer, "--initial-advertise-peer-urls=" + e.peer,
+		"--watch-progress-notify-interval=5s", "--log-level=warn",
+	}
+	if empty, _ := isDirEmpty(e.dataDir()); empty {
+		args = append(args, "--initial-cluster="+e.name+"="+e.peer, "--initial-cluster-state=new")
+	}
+	return args
+}
+
+func isDirEmpty(dir string) (bool, error) {
+	entries, err := os.ReadDir(dir)
+	if os.IsNotExist(err) {
+		return true, nil
+	}
+	return len(entries) == 0, err
+}
+
+func (e *hostedEtcd) start(ctx context.Context, args []string, dir string) {
+	began := time.Now()
+	log, err := os.OpenFile(filepath.Join(e.dir, "etcd.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err == nil {
+		defer log.Close()
+		err = os.MkdirAll(dir, 0o700)
+	}
+	var p *controlplane.Process
+	if err == nil {
+		p, err = controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: e.client, Log: log})
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err != nil {
+		if ctx.Err() == nil {
+			e.lastFailed = fmt.Errorf("etcd: %w; the end of its log:\n%s", err, logTail(filepath.Join(e.dir, "etcd.log")))
+			e.f.logf("%v", e.lastFailed)
+			e.cancel = nil // the next change of the model tries again
+		}
+		return
+	}
+	if ctx.Err() != nil {
+		p.Stop()
+		return
+	}
+	e.proc, e.lastFailed = p, nil
+	e.starts++
+	e.lastStart = time.Since(began)
+	close(e.serving)
+	e.f.logf("etcd serves on %s in %s (data %s)", e.client, e.lastStart.Round(time.Millisecond), dir)
+}
+
+func (e *hostedEtcd) stopLocked(why string) {
+	if e.cancel != nil {
+		e.cancel()
+		e.cancel = nil
+	}
+	if e.proc == nil {
+		return
+	}
+	e.proc.Stop()
+	e.proc = nil
+	e.serving = make(chan struct{})
+	e.f.logf("etcd stopped: %s", why)
+}
+
+// stop stops etcd for good (the fleet stops).
+func (e *hostedEtcd) stop() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.stopLocked("the fleet stops")
+}
+
+// wait waits until etcd serves, as a kube-apiserver static pod that
+// cannot reach its etcd restarts until it can.
+func (e *hostedEtcd) wait(ctx context.Context) error {
+	for {
+		e.mu.Lock()
+		serving := e.serving
+		e.mu.Unlock()
+		select {
+		case <-serving:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// EtcdStatus is the state of a hosted fleet's etcd process.
+type EtcdStatus struct {
+	// ClientURL is where it serves clients; empty without Spec.Hosted.
+	ClientURL string
+	// Serving is true while it runs and serves.
+	Serving bool
+	// Starts counts the times it started serving.
+	Starts int
+	// LastStart is how long its last start took.
+	LastStart time.Duration
+}
+
+// HostedEtcd is the state of the etcd of a fleet under Spec.Hosted.
+func (f *Fleet) HostedEtcd() EtcdStatus {
+	if f.hosting == nil {
+		return EtcdStatus{}
+	}
+	e := f.hosting.etcd
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return EtcdStatus{ClientURL: e.client, Serving: e.proc != nil, Starts: e.starts, LastStart: e.lastStart}
+}
+
+// apiStores reports whether the API can store anything: always with a
+// fixed API server; under Spec.Hosted while etcd serves.
+func (f *Fleet) apiStores() bool { return f.hosting == nil || f.HostedEtcd().Serving }
+
+// snapshot streams a snapshot of etcd to srv in chunks, as Talos's
+// EtcdSnapshot does through etcd's maintenance Snapshot.
+func (e *hostedEtcd) snapshot(ctx context.Context, srv grpc.ServerStreamingServer[common.Data]) error {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.client}, DialTimeout: 5 * time.Second, Context: ctx, Logger: zap.NewNop()})
+	if err != nil {
+		return fmt.Errorf("failed to create etcd client: %w", err)
+	}
+	defer cli.Close()
+	resp, err := cli.SnapshotWithVersion(ctx)
+	if err != nil {
+		return fmt.Errorf("failed reading etcd snapshot: %w", err)
+	}
+	defer resp.Snapshot.Close()
+	buf := make([]byte, 4096)
+	for {
+		n, err := resp.Snapshot.Read(buf)
+		if n > 0 {
+			if err := srv.Send(&common.Data{Bytes: bytes.Clone(buf[:n])}); err != nil {
+				return err
+			}
+		}
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("failed reading etcd snapshot: %w", err)
+		}
+	}
+}
+
+// bootstrap makes a new cluster's data: empty, or restored from snap with
+// etcdutl as Talos's recoverFromSnapshot does (Status, then Restore into
+// the empty data directory as a single-member cluster, no revision bump).
+// It returns the snapshot's revision. A snapshot it cannot restore changes
+// nothing. The process starts once the model has the new cluster's leader.
+func (e *hostedEtcd) bootstrap(ctx context.Context, snap []byte, skipHash bool) (int64, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	next := filepath.Join(e.dir, "data-"+strconv.Itoa(e.gen+1))
+	_ = os.RemoveAll(next)
+	var rev int64
+	if snap != nil {
+		var err error
+		if rev, err = e.restore(ctx, snap, skipHash, next); err != nil {
+			_ = os.RemoveAll(next)
+			return 0, err
+		}
+	}
+	e.stopLocked("a bootstrap makes a new cluster")
+	_ = os.RemoveAll(e.dataDir())
+	e.gen++
+	return rev, nil
+}
+
+// restore checks snap with `etcdutl snapshot status` and restores it into
+// dir with `etcdutl snapshot restore`.
+func (e *hostedEtcd) restore(ctx context.Context, snap []byte, skipHash bool, dir string) (int64, error) {
+	path := filepath.Join(e.dir, "etcd.snapshot")
+	if err := os.WriteFile(path, snap, 0o600); err != nil {
+		return 0, fmt.Errorf("error writing the recovery snapshot: %w", err)
+	}
+	defer os.Remove(path)
+	out, err := e.etcdutl(ctx, "snapshot", "status", path, "-w", "json")
+	if err != nil {
+		return 0, status.Errorf(codes.InvalidArgument, "error verifying snapshot: %v", err)
+	}
+	var st struct {
+		Hash      uint32 `json:"hash"`
+		Revision  int64  `json:"revision"`
+		TotalKey  int    `json:"totalKey"`
+		TotalSize int64  `json:"totalSize"`
+	}
+	if err := json.Unmarshal(out, &st); err != nil {
+		return 0, fmt.Errorf("etcdutl snapshot status: %w: %s", err, out)
+	}
+	e.f.logf("recovering etcd from snapshot: hash %08x, revision %d, total keys %d, total size %d", st.Hash, st.Revision, st.TotalKey, st.TotalSize)
+	args := []string{"snapshot", "restore", path, "--data-dir=" + dir, "--name=" + e.name,
+		"--initial-cluster=" + e.name + "=" + e.peer, "--initial-advertise-peer-urls=" + e.peer}
+	if skipHash {
+		args = append(args, "--skip-hash-check")
+	}
+	if _, err := e.etcdutl(ctx, args...); err != nil {
+		return 0, status.Errorf(codes.InvalidArgument, "error recovering from the snapshot: %v", err)
+	}
+	return st.Revision, nil
+}
+
+// etcdutl runs the etcdutl binary beside etcd and returns its output.
+func (e *hostedEtcd) etcdutl(ctx context.Context, args ...string) ([]byte, error) {
+	var stdout, stderr bytes.Buffer
+	cmd := exec.CommandContext(ctx, filepath.Join(e.assets, "etcdutl"), args...)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("etcdutl %s: %w: %s", args[1], err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return stdout.Bytes(), nil
+}
+
+// follow ends every change of the etcd model under Spec.Hosted: the etcd
+// process follows it.
+func (e *etcdCluster) follow() {
+	h := e.f.hosting
+	if h == nil {
+		return
+	}
+	e.mu.Lock()
+	quorum := e.leader != 0
+	e.mu.Unlock()
+	anyData := false
+	for _, m := range e.f.controlPlanes {
+		m.mu.Lock()
+		anyData = anyData || m.etcdData
+		m.mu.Unlock()
+	}
+	h.etcd.follow(quorum, anyData)
+}
+
+// restartAPIServers restarts the control planes' API servers that run
+// or start, after their etcd became a new cluster.
+func (f *Fleet) restartAPIServers() {
+	for _, m := range f.controlPlanes {
+		a := m.apiServer
+		a.mu.Lock()
+		running := a.cancel != nil
+		a.mu.Unlock()
+		if running {
+			a.stop()
+			a.ensure()
+		}
+	}
+}
