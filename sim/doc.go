@@ -151,6 +151,16 @@
 // snapshot's revision (Fleet.EtcdWrite moves the revision, to tell data
 // apart). Fleet.Etcd returns the model's state.
 //
+// Under Spec.Hosted the model keeps the membership and the answers, and
+// one real etcd process holds the data the API servers store: it serves
+// while the model's cluster has a leader and stops when that quorum is
+// lost (every control plane off, or two of three), starting again on the
+// same data directory. EtcdSnapshot streams its maintenance snapshot; the
+// data goes when the last member's data is wiped; Bootstrap makes a new
+// data directory, with RecoverEtcd restored from the uploaded snapshot by
+// etcdutl (snapshot status, then restore), and the API servers restart.
+// Fleet.HostedEtcd says whether it serves and where.
+//
 // # Kubernetes
 //
 // With a kube client, every machine registers its Node (or adopts an
