@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -51,14 +49,7 @@ func TestJobsEndToEnd(t *testing.T) {
 		"--control-planes", "1", "--workers", "2", "--pace", "200ms")
 	plugin := func(args ...string) string {
 		t.Helper()
-		cmd := exec.CommandContext(ctx, sb.cfg.Kubectl, append([]string{"ichor"}, args...)...)
-		cmd.Env = append(os.Environ(), "KUBECONFIG="+sb.Path(fileKubeconfig), "PATH="+bin+string(os.PathListSeparator)+os.Getenv("PATH"), "NO_COLOR=1")
-		out, err := cmd.CombinedOutput()
-		t.Logf("$ kubectl ichor %s\n%s", strings.Join(args, " "), out)
-		if err != nil {
-			t.Fatalf("kubectl ichor %s: %v", strings.Join(args, " "), err)
-		}
-		return string(out)
+		return mustIchor(ctx, t, sb, bin, args...)
 	}
 
 	t.Run("cni through a Job holding the lock, a Talos upgrade waiting for it", func(t *testing.T) {

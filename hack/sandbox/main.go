@@ -71,12 +71,14 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.Workers, "workers", 3, "simulated worker machines")
 	fs.StringVar(&o.Talos, "talos", sim.DefaultTalos, "Talos version the machines run")
 	fs.StringVar(&o.Kubernetes, "kubernetes", sim.DefaultKubernetes, "Kubernetes version the machines run")
+	fs.Var(pairValue{&o.TalosOn, "MACHINE=VERSION", "sandbox-w-1=v1.12.4", nil}, "talos-on", "MACHINE=VERSION: that machine runs another Talos version than --talos (repeatable)")
+	fs.BoolVar(&o.Cilium, "cilium", true, "install the user's Cilium beside kube-proxy; with false the CNI is Talos's and the compatibility table's Cilium \"none\" rows apply (Kubernetes 1.36, say)")
 	fs.StringVar(&o.Name, "name", "sandbox", "cluster name: prefixes the machine names (sandbox-cp-1, sandbox-w-1) and names the talosconfig context")
 	fs.DurationVar(&o.Pace, "pace", time.Second, "length of the shortest simulated step; a reboot takes 3 times as long, an install 2")
 	fs.StringVar(&o.Dir, "dir", filepath.Join(root, ".ichor-sandbox"), "directory for the kubeconfig, talosconfig, env file and logs (removed on exit)")
 	fs.StringVar(&o.Kubectl, "kubectl", defaultKubectl(), "the kubectl to run ($KUBECTL)")
 	fs.StringVar(&o.Controller, "controller", filepath.Join(root, "bin", "ichor-controller"), "the ichor-controller binary the controller's pods run (make build)")
-	fs.Var(imageValue{&o.Images}, "image", "IMAGE=BINARY: the machines run pods of IMAGE as BINARY, like a second build to upgrade to (repeatable)")
+	fs.Var(pairValue{&o.Images, "IMAGE=BINARY", "ghcr.io/maesh-dev/ichor-controller:v0.2.0=/tmp/v0.2.0/ichor-controller", filepath.Abs}, "image", "IMAGE=BINARY: the machines run pods of IMAGE as BINARY, like a second build to upgrade to (repeatable)")
 	fs.BoolVar(&o.Demo, "demo", false, "run the scripted walk-through, check every step, then stop")
 	fs.StringVar(&o.demo.Target, "to", "v1.13.7", "with --demo: the Talos version the demo upgrades to")
 	fs.StringVar(&o.demo.PluginDir, "plugin-dir", filepath.Join(root, "bin"), "with --demo: the directory holding kubectl-ichor (make build)")
@@ -100,24 +102,31 @@ const usageIntro = `Runs Ichor on this machine: a real kube-apiserver, etcd, kub
 kube-scheduler, Ichor's manifests, simulated Talos machines (with workloads) that run
 ichor-controller's pods, all on loopback, until Ctrl-C.`
 
-// imageValue is --image IMAGE=BINARY, repeatable.
-type imageValue struct{ m *map[string]string }
+// pairValue is a repeatable KEY=VALUE flag (--image IMAGE=BINARY, --talos-on
+// MACHINE=VERSION) into a map; value, if set, rewrites each value.
+type pairValue struct {
+	m              *map[string]string
+	syntax, sample string
+	value          func(string) (string, error)
+}
 
-func (v imageValue) String() string { return "" }
+func (v pairValue) String() string { return "" }
 
-func (v imageValue) Set(s string) error {
-	image, bin, ok := strings.Cut(s, "=")
-	if !ok || image == "" || bin == "" {
-		return fmt.Errorf("%q: write IMAGE=BINARY, like ghcr.io/maesh-dev/ichor-controller:v0.2.0=/tmp/v0.2.0/ichor-controller", s)
+func (v pairValue) Set(s string) error {
+	key, val, ok := strings.Cut(s, "=")
+	if !ok || key == "" || val == "" {
+		return fmt.Errorf("%q: write %s, like %s", s, v.syntax, v.sample)
 	}
-	abs, err := filepath.Abs(bin)
-	if err != nil {
-		return err
+	if v.value != nil {
+		var err error
+		if val, err = v.value(val); err != nil {
+			return err
+		}
 	}
 	if *v.m == nil {
 		*v.m = map[string]string{}
 	}
-	(*v.m)[image] = abs
+	(*v.m)[key] = val
 	return nil
 }
 
@@ -186,13 +195,11 @@ The Ichor sandbox is up (ready). Everything listens on loopback and stays up unt
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
   Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
                  DaemonSet node-agent, pod debug: %s
-  CNI            Cilium %s, Helm release kube-system/cilium (Ichor's test chart, shaped like
-                 Cilium's), beside kube-proxy as Talos applies it; kubectl ichor upgrade cni
-                 moves it to the chart Ichor ships, %s (its Job runs bin/ichor-controller too)
+  CNI            %s
   Controller     Deployment %s/%s (image %s): its pods run on the workers
                  as %s, the leader and a standby; their logs in %s
 `, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)),
-		sb.userChart.Version, sb.shippedChart.Version, ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
+		cniLine(sb), ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
 	if err := printWalkThrough(w, sb); err != nil {
 		return err
 	}
@@ -204,4 +211,14 @@ The machines log what happens to them in %s.
 Ctrl-C stops everything and removes %s.
 `, relative(sb.Path(fileSim)), relative(sb.cfg.Dir))
 	return nil
+}
+
+// cniLine says which CNI the sandbox runs, for printUsage.
+func cniLine(sb *Sandbox) string {
+	if !sb.cfg.Cilium {
+		return "Talos's (--cilium=false): no Cilium, kube-proxy as Talos applies it"
+	}
+	return fmt.Sprintf(`Cilium %s, Helm release kube-system/cilium (Ichor's test chart, shaped like
+                 Cilium's), beside kube-proxy as Talos applies it; kubectl ichor upgrade cni
+                 moves it to the chart Ichor ships, %s (its Job runs bin/ichor-controller too)`, sb.userChart.Version, sb.shippedChart.Version)
 }

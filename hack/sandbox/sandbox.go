@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	_ "embed"
 	"encoding/json"
@@ -98,6 +99,12 @@ type config struct {
 	Name                   string
 	ControlPlanes, Workers int
 	Talos, Kubernetes      string
+	// TalosOn maps machines to the Talos version they run instead of Talos
+	// (--talos-on), like one machine left behind on an older release.
+	TalosOn map[string]string
+	// Cilium installs the user's Cilium (userCilium); without it the CNI is
+	// left to Talos.
+	Cilium bool
 	// Pace is the length of the shortest simulated step; the others are
 	// multiples of it (a reboot takes 3, an install 2).
 	Pace time.Duration
@@ -118,6 +125,16 @@ func (c config) validate() error {
 	}
 	if !isExecutable(c.Controller) {
 		errs = append(errs, fmt.Errorf("no ichor-controller at %s: run `make build` (make sandbox does), or point --controller at one", c.Controller))
+	}
+	names := map[string]bool{}
+	for _, m := range sim.Cluster(c.Name, c.ControlPlanes, c.Workers).Machines {
+		names[m.Name] = true
+	}
+	for name := range c.TalosOn {
+		if !names[name] {
+			errs = append(errs, fmt.Errorf("--talos-on %s: no such machine: they are %s-cp-1 ... %s-cp-%d and %s-w-1 ... %s-w-%d",
+				name, c.Name, c.Name, c.ControlPlanes, c.Name, c.Name, c.Workers))
+		}
 	}
 	for image, bin := range c.Images {
 		if !isExecutable(bin) {
@@ -158,7 +175,7 @@ func durations(pace time.Duration) sim.Durations {
 func (c config) fleetSpec(image, dir string, logf func(string, ...any)) sim.Spec {
 	spec := sim.Cluster(c.Name, c.ControlPlanes, c.Workers)
 	for i := range spec.Machines {
-		spec.Machines[i].Talos = c.Talos
+		spec.Machines[i].Talos = cmp.Or(c.TalosOn[spec.Machines[i].Name], c.Talos)
 		spec.Machines[i].Kubernetes = c.Kubernetes
 	}
 	spec.Durations = durations(c.Pace)
@@ -253,8 +270,10 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 	if err := s.startFleet(ctx); err != nil {
 		return nil, err
 	}
-	if err := s.installCilium(ctx); err != nil {
-		return nil, err
+	if cfg.Cilium {
+		if err := s.installCilium(ctx); err != nil {
+			return nil, err
+		}
 	}
 	if err := s.startWorkloads(ctx); err != nil {
 		return nil, err

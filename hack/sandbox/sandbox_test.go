@@ -314,6 +314,8 @@ func TestFlags(t *testing.T) {
 		{[]string{"--controller", filepath.Join(plugins, "ichor-controller")}, "no ichor-controller at " + filepath.Join(plugins, "ichor-controller") + ": run `make build`"},
 		{[]string{"--image", "ghcr.io/maesh-dev/ichor-controller:v0.2.0"}, "write IMAGE=BINARY"},
 		{[]string{"--pace", "0s"}, "positive duration"},
+		{[]string{"--talos-on", "v1.12.4"}, "write MACHINE=VERSION"},
+		{[]string{"--talos-on", "sandbox-w-9=v1.12.4"}, "--talos-on sandbox-w-9: no such machine"},
 		{[]string{"extra"}, "takes flags only"},
 		{[]string{"--demo", "--workers", "0", "--plugin-dir", plugins}, "at least 2 control planes"},
 		{[]string{"--demo", "--plugin-dir", plugins}, "no kubectl-ichor in " + plugins},
