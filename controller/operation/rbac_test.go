@@ -46,10 +46,7 @@ func TestControllerRBAC(t *testing.T) {
 		t.Errorf("the pod on %s was not drained: %v", w1, err)
 	}
 
-	for _, tt := range []struct {
-		args []string
-		want string
-	}{
+	checkControllerCan(t, []canI{
 		{[]string{"get", "secrets", "-n", "kube-system"}, "no"},
 		{[]string{"get", "secrets/other", "-n", ichorv1.DefaultNamespace}, "no"},
 		{[]string{"get", "secrets/" + ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
@@ -57,12 +54,7 @@ func TestControllerRBAC(t *testing.T) {
 		{[]string{"update", "leases", "-n", ichorv1.DefaultNamespace}, "yes"},
 		{[]string{"delete", "nodes"}, "no"},
 		{[]string{"create", "talosoperations"}, "no"},
-	} {
-		out, _, _ := env.Kubectl(ctx, nil, append([]string{"auth", "can-i", "--as", controllerSA}, tt.args...)...)
-		if got := strings.TrimSpace(out); got != tt.want {
-			t.Errorf("can the controller %s? %q, want %q", strings.Join(tt.args, " "), got, tt.want)
-		}
-	}
+	})
 }
 
 // TestKubernetesRBAC runs a Kubernetes upgrade with the controller as its
@@ -99,10 +91,7 @@ func TestKubernetesRBAC(t *testing.T) {
 		}
 	}
 
-	for _, tt := range []struct {
-		args []string
-		want string
-	}{
+	checkControllerCan(t, []canI{
 		{[]string{"patch", "daemonsets/kube-proxy", "-n", "kube-system"}, "yes"},
 		{[]string{"patch", "daemonsets/other", "-n", "kube-system"}, "no"},
 		{[]string{"patch", "deployments/coredns", "-n", "default"}, "no"},
@@ -111,10 +100,22 @@ func TestKubernetesRBAC(t *testing.T) {
 		{[]string{"bind", "clusterroles/cluster-admin"}, "no"},
 		{[]string{"escalate", "clusterroles/system:coredns"}, "no"},
 		{[]string{"patch", "clusterrolebindings/cluster-admin"}, "no"},
-	} {
-		out, _, _ := env.Kubectl(ctx, nil, append([]string{"auth", "can-i", "--as", controllerSA}, tt.args...)...)
-		if got := strings.TrimSpace(out); got != tt.want {
-			t.Errorf("can the controller %s? %q, want %q", strings.Join(tt.args, " "), got, tt.want)
+	})
+}
+
+// canI is a question to `kubectl auth can-i` about the controller's
+// ServiceAccount (a verb and a resource, maybe -n), and the answer wanted.
+type canI struct {
+	args []string
+	want string
+}
+
+func checkControllerCan(t *testing.T, questions []canI) {
+	t.Helper()
+	for _, q := range questions {
+		out, _, _ := env.Kubectl(context.Background(), nil, append([]string{"auth", "can-i", "--as", controllerSA}, q.args...)...)
+		if got := strings.TrimSpace(out); got != q.want {
+			t.Errorf("can the controller %s? %q, want %q", strings.Join(q.args, " "), got, q.want)
 		}
 	}
 }
