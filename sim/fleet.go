@@ -136,7 +136,7 @@ func (f *Fleet) start(ctx context.Context, kc kubernetes.Interface) error {
 			return err
 		}
 		var err error
-		if kc, err = kubernetes.NewForConfig(f.hosting.config()); err != nil {
+		if kc, err = kubernetes.NewForConfig(f.hosting.kubeletConfig(f)); err != nil {
 			return fmt.Errorf("client for the fleet's API endpoint: %w", err)
 		}
 	}
@@ -177,6 +177,7 @@ func (f *Fleet) Stop() {
 		f.kube.stop()
 	}
 	for _, m := range f.controlPlanes {
+		m.components.stop()
 		m.apiServer.stop()
 	}
 	f.wg.Wait()

@@ -39,6 +39,9 @@ type Hosted struct {
 	// Dir holds each API server's rendered files and log, and etcd's data
 	// and log; empty means a temporary directory that Stop removes.
 	Dir string
+	// Components are the controller manager and scheduler each control
+	// plane runs too.
+	Components HostedComponents
 }
 
 // hosting is the fleet's side of Spec.Hosted: the endpoint and the admin
@@ -83,20 +86,26 @@ func newHosting(f *Fleet) (*hosting, error) {
 // AdminCertificate is an admin client certificate from a Kubernetes CA,
 // as Talos's kubeconfig generator issues it (CN admin, O system:masters).
 func AdminCertificate(ca *x509.PEMEncodedCertificateAndKey) (*x509.PEMEncodedCertificateAndKey, error) {
+	return kubeClientCertificate(ca, constants.KubernetesAdminCertCommonName, constants.KubernetesAdminCertOrganization)
+}
+
+// kubeClientCertificate is a client certificate from a Kubernetes CA, as
+// Talos's kubeconfig generator (pkg/kubeconfig) issues it.
+func kubeClientCertificate(ca *x509.PEMEncodedCertificateAndKey, commonName, organization string) (*x509.PEMEncodedCertificateAndKey, error) {
 	auth, err := x509.NewCertificateAuthorityFromCertificateAndKey(ca)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes CA: %w", err)
 	}
 	kp, err := x509.NewKeyPair(auth,
-		x509.CommonName(constants.KubernetesAdminCertCommonName),
-		x509.Organization(constants.KubernetesAdminCertOrganization),
+		x509.CommonName(commonName),
+		x509.Organization(organization),
 		x509.NotBefore(time.Now().Add(-time.Minute)),
 		x509.NotAfter(time.Now().Add(365*24*time.Hour)),
 		x509.KeyUsage(stdx509.KeyUsageDigitalSignature|stdx509.KeyUsageKeyEncipherment),
 		x509.ExtKeyUsage([]stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("admin certificate: %w", err)
+		return nil, fmt.Errorf("%s certificate: %w", commonName, err)
 	}
 	return &x509.PEMEncodedCertificateAndKey{Crt: kp.CrtPEM, Key: kp.KeyPEM}, nil
 }
@@ -536,6 +545,9 @@ func (f *Fleet) startHosting(kc kubernetes.Interface) error {
 		if m.apiServer, err = newAPIServer(m); err != nil {
 			return err
 		}
+	}
+	if err := f.startComponents(h.spec.Components); err != nil {
+		return err
 	}
 	f.spec.APIServer = h.config()
 	return nil

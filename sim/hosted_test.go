@@ -35,8 +35,14 @@ import (
 // endpoint.
 func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface) {
 	t.Helper()
-	spec := fleetSpec(t, cps, 0)
-	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Dir: t.TempDir()}
+	return startHosted(t, fleetSpec(t, cps, 0), sim.HostedComponents{})
+}
+
+// startHosted starts spec with its control planes hosting the API and
+// its etcd, and running components.
+func startHosted(t *testing.T, spec sim.Spec, components sim.HostedComponents) (*sim.Fleet, kubernetes.Interface) {
+	t.Helper()
+	spec.Hosted = &sim.Hosted{Assets: os.Getenv("KUBEBUILDER_ASSETS"), Dir: t.TempDir(), Components: components}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	began := time.Now()
@@ -45,7 +51,7 @@ func hostedFleet(t *testing.T, cps int) (*sim.Fleet, kubernetes.Interface) {
 		t.Fatalf("start hosted fleet: %v", err)
 	}
 	t.Cleanup(f.Stop)
-	t.Logf("%d API servers ready %s after the fleet started", cps, time.Since(began).Round(time.Millisecond))
+	t.Logf("%d API servers ready %s after the fleet started", len(f.ControlPlanes()), time.Since(began).Round(time.Millisecond))
 	kc, err := kubernetes.NewForConfig(f.APIConfig())
 	if err != nil {
 		t.Fatal(err)

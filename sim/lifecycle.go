@@ -259,6 +259,7 @@ func (m *Machine) revertTry(boot string, to config.Provider) {
 func (m *Machine) liveChanged(old, cfg config.Provider) {
 	m.renderConfigured()
 	m.apiServer.ensure()
+	m.components.ensure()
 	if !reflect.DeepEqual(kubeletInputsOf(old), kubeletInputsOf(cfg)) {
 		m.restartService("kubelet")
 	}

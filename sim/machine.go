@@ -27,6 +27,8 @@ type Machine struct {
 	ep      *endpoint // control planes only
 	// apiServer is a control plane's kube-apiserver under Spec.Hosted.
 	apiServer *apiServer
+	// components are its kube-controller-manager and kube-scheduler then.
+	components components
 
 	// applyMu serialises ApplyConfiguration as Talos does (TryLock).
 	applyMu sync.Mutex
@@ -335,6 +337,7 @@ func (m *Machine) goDown(actor string) time.Time {
 	m.f.kube.nodeDown(m)
 	// Its kubelet's last word went through its own API server, which
 	// stops with it (the last control plane's takes the API along).
+	m.components.stop()
 	m.apiServer.stop()
 	m.f.logf("%s: down", m.Name())
 	return down
@@ -445,6 +448,7 @@ func (m *Machine) boot(actor string) {
 	m.mu.Unlock()
 	m.f.etcd.update()
 	m.apiServer.ensure()
+	m.components.ensure()
 	m.f.kube.resumePods(m)
 	if actor != "" || applied {
 		m.f.logf("%s: up on %s", m.Name(), version)

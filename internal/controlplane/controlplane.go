@@ -78,16 +78,23 @@ type Process struct {
 // (and NodeLifecycleControllers when o.NodeMonitorGracePeriod is set) and
 // waits until it is healthy.
 func StartControllerManager(ctx context.Context, o Options) (*Process, error) {
-	controllers := append([]string(nil), Controllers...)
-	args := []string{"--service-account-private-key-file=" + o.ServiceAccountKey}
-	if g := o.NodeMonitorGracePeriod; g > 0 {
-		controllers = append(controllers, NodeLifecycleControllers...)
-		period := min(g/4, 5*time.Second)
-		args = append(args, "--node-monitor-grace-period="+g.String(), "--node-monitor-period="+period.String(),
-			"--node-startup-grace-period="+(2*g).String())
-	}
-	args = append(args, "--controllers="+strings.Join(controllers, ","))
+	args := append([]string{"--service-account-private-key-file=" + o.ServiceAccountKey}, ControllerArgs(o.NodeMonitorGracePeriod)...)
 	return start(ctx, "kube-controller-manager", o, args...)
+}
+
+// ControllerArgs are the flags that choose the controller manager's
+// controllers: Controllers, and NodeLifecycleControllers with their
+// periods when grace (--node-monitor-grace-period) is set.
+func ControllerArgs(grace time.Duration) []string {
+	controllers := append([]string(nil), Controllers...)
+	var args []string
+	if grace > 0 {
+		controllers = append(controllers, NodeLifecycleControllers...)
+		period := min(grace/4, 5*time.Second)
+		args = append(args, "--node-monitor-grace-period="+grace.String(), "--node-monitor-period="+period.String(),
+			"--node-startup-grace-period="+(2*grace).String())
+	}
+	return append(args, "--controllers="+strings.Join(controllers, ","))
 }
 
 // StartScheduler starts kube-scheduler with its default profile and waits
@@ -97,27 +104,51 @@ func StartScheduler(ctx context.Context, o Options) (*Process, error) {
 }
 
 func start(ctx context.Context, name string, o Options, extra ...string) (*Process, error) {
-	bin := filepath.Join(o.Assets, name)
-	if _, err := os.Stat(bin); err != nil {
-		return nil, fmt.Errorf("%s is missing: run `make envtest-assets`, which builds it: %w", bin, err)
-	}
 	port, err := freePort()
 	if err != nil {
 		return nil, err
 	}
 	// Served on loopback only, for /healthz; nothing else uses it.
+	address := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	args := append([]string{
 		"--kubeconfig=" + o.Kubeconfig, "--leader-elect=false",
 		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(port),
 	}, extra...)
-	p, err := startProcess(name, bin, args, o.Log)
+	return StartComponent(ctx, Component{Name: name, Assets: o.Assets, Args: args, Address: address, Log: o.Log})
+}
+
+// Component says how to run kube-controller-manager or kube-scheduler with
+// flags rendered elsewhere (package sim renders a control plane's from its
+// machine configuration, as Talos renders its static pods).
+type Component struct {
+	// Name is the binary: kube-controller-manager or kube-scheduler.
+	Name string
+	// Assets is the directory of the binaries (KUBEBUILDER_ASSETS).
+	Assets string
+	// Args are the flags, --bind-address and --secure-port among them.
+	Args []string
+	// Address is the host:port it serves /healthz on (its --bind-address
+	// and --secure-port).
+	Address string
+	// Log receives its output; nil discards it.
+	Log io.Writer
+}
+
+// StartComponent starts c and waits until its /healthz answers ok (or ctx
+// ends, which stops it).
+func StartComponent(ctx context.Context, c Component) (*Process, error) {
+	bin := filepath.Join(c.Assets, c.Name)
+	if _, err := os.Stat(bin); err != nil {
+		return nil, fmt.Errorf("%s is missing: run `make envtest-assets`, which builds it: %w", bin, err)
+	}
+	p, err := startProcess(c.Name, bin, c.Args, c.Log)
 	if err != nil {
 		return nil, err
 	}
 	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 		TLSClientConfig: &tls.Config{InsecureSkipVerify: true}, // its own throwaway certificate, on loopback
 	}}
-	if err := p.waitHealthy(ctx, hc, fmt.Sprintf("https://127.0.0.1:%d/healthz", port)); err != nil {
+	if err := p.waitHealthy(ctx, hc, "https://"+c.Address+"/healthz"); err != nil {
 		p.Stop()
 		return nil, err
 	}

@@ -14,13 +14,12 @@ import (
 
 // Attach is an Env for an API server that something else runs (the
 // control planes of a fleet that host the API, sim.Spec.Hosted): clients
-// and a kubeconfig for cfg, an admin's, and Ichor's CRD installed. The
-// controller manager that StartComponents starts signs tokens with
-// serviceAccountKey (the PEM of the control planes'
-// cluster.serviceAccount.key, as Talos gives it
-// --service-account-private-key-file). Stop stops only what the Env
-// started; User and UserKubeconfig, which need envtest's CA, are refused.
-func Attach(cfg *rest.Config, serviceAccountKey []byte) (*Env, error) {
+// and a kubeconfig for cfg, an admin's, and Ichor's CRD installed. Those
+// control planes run the controller manager and scheduler too
+// (sim.Hosted.Components), so StartComponents is refused; so are User and
+// UserKubeconfig, which need envtest's CA. Stop stops only what the Env
+// started.
+func Attach(cfg *rest.Config) (*Env, error) {
 	root, err := RepoRoot()
 	if err != nil {
 		return nil, err
@@ -30,10 +29,6 @@ func Attach(cfg *rest.Config, serviceAccountKey []byte) (*Env, error) {
 		return nil, err
 	}
 	if e.dir, err = os.MkdirTemp("", "ichor-testenv-"); err != nil {
-		return nil, err
-	}
-	e.saKey = filepath.Join(e.dir, "service-account.key")
-	if err := os.WriteFile(e.saKey, serviceAccountKey, 0o600); err != nil {
 		return nil, err
 	}
 	if e.Kubeconfig, err = writeKubeconfig(filepath.Join(e.dir, "kubeconfig-admin"), e.Config); err != nil {
@@ -64,3 +59,5 @@ func writeKubeconfig(path string, cfg *rest.Config) (string, error) {
 }
 
 var errAttached = errors.New("an attached Env (testenv.Attach) has no envtest CA to mint users with: use its Config")
+
+var errAttachedComponents = errors.New("an attached Env (testenv.Attach) runs no components: the fleet's control planes do (sim.Hosted.Components)")

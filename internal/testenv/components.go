@@ -44,6 +44,9 @@ func With(c Components) func(*Env) error {
 
 // StartComponents starts the components c asks for; they stop with the Env.
 func (e *Env) StartComponents(c Components) error {
+	if e.env == nil {
+		return errAttachedComponents
+	}
 	if c.NodeLifecycle && !c.ControllerManager {
 		return fmt.Errorf("NodeLifecycle runs in the controller manager: set ControllerManager too")
 	}
