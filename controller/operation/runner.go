@@ -203,7 +203,7 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 			if err != nil || follow == nil || !r.chain(j, &step, &timeout, follow, out.Outcome, res.outcome) {
 				break
 			}
-			r.wake(wake) // status names the step that runs now
+			r.showLater(k, j, step.Name, wake)
 		}
 		r.mu.Lock()
 		delete(r.jobs, k)
@@ -214,6 +214,26 @@ func (r *runner) launch(op *ichorv1.TalosOperation, k machineKey, step executor.
 		r.wake(wake)
 	}()
 	return nil
+}
+
+// showRunning is how long a Chained step runs before the operation is
+// woken to name it in status. Most end sooner (a check, a cordon, a drain
+// with nothing to evict), and a status write for each would sit in the
+// way of the turn that launches the machine's next step; one that runs on
+// (a drain a PodDisruptionBudget holds) is shown while it runs.
+const showRunning = 250 * time.Millisecond
+
+// showLater wakes the operation once the job has run step for showRunning,
+// if it still runs it then.
+func (r *runner) showLater(k machineKey, j *job, step string, op *ichorv1.TalosOperation) {
+	time.AfterFunc(showRunning, func() {
+		r.mu.Lock()
+		still := r.jobs[k] == j && j.current() == step
+		r.mu.Unlock()
+		if still {
+			r.wake(op)
+		}
+	})
 }
 
 // stepRun is what one step of a run returned, and how long it took.
