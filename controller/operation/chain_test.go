@@ -119,3 +119,41 @@ func TestKilledInAChain(t *testing.T) {
 		return !cordoned(t, w.Name()), nil
 	})
 }
+
+// TestPausedWhileDownStopsBeforeVerify: a pause that arrives while a
+// rebooted machine is down is watched through: the machine comes back, its
+// reboot's Wait ends, and it stops before the verify (and uncordon) that
+// follows, which, being Chained, would start beside the status write of
+// the turn that saw it back; resuming runs it. Nothing reads the machine's
+// configuration between its return and the resume: a verify begun while
+// paused would, before the resume, which follows the status that shows
+// the machine stopped. (The Wait reads the boot ID, not the configuration.)
+func TestPausedWhileDownStopsBeforeVerify(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1]
+	comeBack := w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
+	c.start()
+	ops := watchOps(t, c.ns)
+	c.create("down", rebootOn(w))
+	ops.until(t, "down", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return len(op.Status.Machines) == 1 && op.Status.Machines[0].Step == executor.StepRebooted
+	})
+	c.patchSpec("down", `{"paused":true}`)
+	ops.until(t, "down", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Reason == ichorv1.ReasonPausedByOperator
+	})
+	back := time.Now()
+	comeBack()
+	ops.until(t, "down", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := op.Status.Machines[0]
+		return m.Step == executor.StepVerify && m.Stopped
+	})
+	resumed := time.Now()
+	c.patchSpec("down", `{"paused":false}`)
+	c.waitSucceeded("down", time.Minute)
+	for _, call := range c.fleet.Recorder().Handled(w.Name(), "State/Get") {
+		if call.At.After(back) && call.At.Before(resumed) {
+			t.Errorf("%s's configuration read at %s, while the operation was paused after its reboot: the verify ran", w.Name(), call.At.Format(time.StampMicro))
+		}
+	}
+}

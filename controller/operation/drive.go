@@ -277,14 +277,48 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 			}
 			confirmed = true
 		}
-		env := t.env(m)
-		env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-		if err := t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(op, env)); err != nil {
+		if err := t.run(op, m, step); err != nil {
 			t.notStarted(m, err)
 			again = true
 		}
 	}
 	return again, nil
+}
+
+// run runs the machine's step, and the Chained steps after it, in the runner.
+func (t *turn) run(op *ichorv1.TalosOperation, m ichorv1.MachineStatus, step executor.Step) error {
+	env := t.env(m)
+	env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
+	return t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(op, env))
+}
+
+// launchChained starts, beside the status write that records them, the
+// Chained steps this turn moved machines to from the step persisted status
+// records (the verify after a reboot's Wait, say): as in a run, a Chained
+// step needs no status write before it begins, and waiting for that write
+// would put its round trip on the machine's path. A step that Cordons is
+// left to launch, after the write and a Confirm. When the write fails, the
+// next turn moves the machine to the step again and finds it running, or
+// its result.
+func (t *turn) launchChained() {
+	if !t.canLaunch {
+		return
+	}
+	for _, m := range t.op.Status.Machines {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped || t.persistedAt(&m) {
+			continue
+		}
+		if p := entry(&t.persisted.Status, m.Name); p == nil || p.Phase != ichorv1.MachineInProgress || p.Attempts != m.Attempts {
+			continue // it begins this turn: its first step waits for the write
+		}
+		step, ok := findStep(t.exec.Steps(t.op, &m), m.Step)
+		if !ok || !step.Chained || step.Run == nil || step.Irreversible || step.Cordons || t.r.runner.busy(t.key(m.Name), m.Step, m.Attempts) {
+			continue
+		}
+		if err := t.run(t.persisted, m, step); err != nil {
+			t.log.V(1).Info("Chained step not started beside the write; launch starts it after", "machine", m.Name, "step", m.Step, "why", err.Error())
+		}
+	}
 }
 
 // follower gives the Chained step that follows a step of a run on env's

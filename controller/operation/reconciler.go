@@ -124,6 +124,7 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	t.countCalls()
 	deriveStatus(t.op, t.now, t.why)
 	t.announce()
+	t.launchChained()
 	check := t.checkLockBeside(ctx)
 	werr := t.write(ctx)
 	_ = check.wait() // it ends with the turn; launch reads its answer
