@@ -316,7 +316,7 @@ func podReadyStep(component string, c staticPodComponent) Step {
 			return false, Outcome{Message: fmt.Sprintf("waiting for Talos to render %s %s (it renders %s)", component, version, tag), Recheck: time.Second}, nil
 		}
 		want := r.Metadata().Version().String()
-		// Live: the cache holds the API servers' pods only.
+		// Live: the cached mirror pods have no index on spec.nodeName.
 		var pods corev1.PodList
 		if err := e.Live.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": component},
 			client.MatchingFields{"spec.nodeName": e.Machine.Name}); err != nil {

@@ -9,6 +9,7 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/builder"
@@ -19,6 +20,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/predicate"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 	"sigs.k8s.io/controller-runtime/pkg/source"
+
+	"github.com/siderolabs/talos/pkg/machinery/constants"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
@@ -50,6 +53,9 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		Watches(&corev1.Node{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(nodeChanged())).
 		// An operation that ends, fails or goes away may let a waiting one take its turn.
 		Watches(&ichorv1.TalosOperation{}, handler.EnqueueRequestsFromMapFunc(r.waiters), builder.WithPredicates(turnChanged())).
+		// The control-plane mirror pods (all the cache holds of Pods): a
+		// kubernetes upgrade waits for each to restart on its new version.
+		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(mirrorPodChanged())).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName), lock.Changed())).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
 		// A Job holding the lock (the Cilium Helm Job) is stale once it
@@ -124,6 +130,20 @@ func turnChanged() predicate.Funcs {
 			b, okB := e.ObjectNew.(*ichorv1.TalosOperation)
 			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason || a.Settled() != b.Settled() ||
 				a.Spec.Paused != b.Spec.Paused || !a.DeletionTimestamp.Equal(b.DeletionTimestamp)
+		},
+	}
+}
+
+// mirrorPodChanged passes the mirror-pod events a step waiting for a
+// static pod's restart looks for: a pod created or deleted, its
+// configuration version, its readiness.
+func mirrorPodChanged() predicate.Funcs {
+	return predicate.Funcs{
+		UpdateFunc: func(e event.UpdateEvent) bool {
+			a, okA := e.ObjectOld.(*corev1.Pod)
+			b, okB := e.ObjectNew.(*corev1.Pod)
+			return !okA || !okB || podutils.IsPodReady(a) != podutils.IsPodReady(b) ||
+				a.Annotations[constants.AnnotationStaticPodConfigVersion] != b.Annotations[constants.AnnotationStaticPodConfigVersion]
 		},
 	}
 }
