@@ -582,7 +582,7 @@ func proxyEnabled(t *testing.T, c *ciliumCluster, name string) bool {
 	return false
 }
 
-func removeKubeProxy(t *testing.T) {
+func removeKubeProxy(t testing.TB) {
 	ctx := context.Background()
 	bg := client.PropagationPolicy(metav1.DeletePropagationBackground)
 	for _, o := range []client.Object{

@@ -281,7 +281,7 @@ func TestKubeProxyDisabled(t *testing.T) {
 
 // waitKubeProxy waits until kube-proxy's DaemonSet, as Talos applied it,
 // runs image on n nodes.
-func waitKubeProxy(t *testing.T, image string, n int32) {
+func waitKubeProxy(t testing.TB, image string, n int32) {
 	t.Helper()
 	testenv.Eventually(t, time.Minute, "kube-proxy "+image+" on every node", func(ctx context.Context) (bool, error) {
 		ds := &appsv1.DaemonSet{}
@@ -330,7 +330,7 @@ func checkKubeProxyRolled(t *testing.T, image string, n int, generation int64) {
 // removeBootstrapManifests deletes what Talos's inventory tracks (the
 // manifests synced or Talos applied) and the inventory: kube-system is
 // shared by the package's tests.
-func removeBootstrapManifests(t *testing.T) {
+func removeBootstrapManifests(t testing.TB) {
 	ctx := context.Background()
 	tracked, err := inventory.Read(ctx, env.Client)
 	if err != nil {
