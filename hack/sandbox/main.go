@@ -1,6 +1,8 @@
 // Command ichor-sandbox runs Ichor on this machine and nothing else: a real
-// kube-apiserver, etcd, kube-controller-manager and kube-scheduler (the
-// binaries `make envtest-assets` builds), Ichor's manifests applied with the
+// kube-apiserver, kube-controller-manager and kube-scheduler on each
+// simulated control plane and their etcd, as Talos runs them (--hosted,
+// the default; --hosted=false runs one of each beside the machines), the
+// binaries `make envtest-assets` builds, Ichor's manifests applied with the
 // real kubectl, a fleet of simulated Talos machines that play the kubelets,
 // the workloads of workloads.yaml, and ichor-controller as its Deployment's
 // pods, which the machines run as processes of bin/ichor-controller (as
@@ -74,6 +76,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.Var(pairValue{&o.TalosOn, "MACHINE=VERSION", "sandbox-w-1=v1.12.4", nil}, "talos-on", "MACHINE=VERSION: that machine runs another Talos version than --talos (repeatable)")
 	fs.BoolVar(&o.Cilium, "cilium", true, "install the user's Cilium beside kube-proxy; with false the CNI is Talos's and the compatibility table's Cilium \"none\" rows apply (Kubernetes 1.36, say)")
 	fs.StringVar(&o.Name, "name", "sandbox", "cluster name: prefixes the machine names (sandbox-cp-1, sandbox-w-1) and names the talosconfig context")
+	fs.BoolVar(&o.Hosted, "hosted", true, "the control planes run the cluster as on Talos: each its own kube-apiserver, kube-controller-manager and kube-scheduler, and their etcd; false runs one of each beside the machines")
 	fs.DurationVar(&o.Pace, "pace", time.Second, "length of the shortest simulated step; a reboot takes 3 times as long, an install 2")
 	fs.StringVar(&o.Dir, "dir", filepath.Join(root, ".ichor-sandbox"), "directory for the kubeconfig, talosconfig, env file and logs (removed on exit)")
 	fs.StringVar(&o.Kubectl, "kubectl", defaultKubectl(), "the kubectl to run ($KUBECTL)")
@@ -98,9 +101,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	return o, nil
 }
 
-const usageIntro = `Runs Ichor on this machine: a real kube-apiserver, etcd, kube-controller-manager and
-kube-scheduler, Ichor's manifests, simulated Talos machines (with workloads) that run
-ichor-controller's pods, all on loopback, until Ctrl-C.`
+const usageIntro = `Runs Ichor on this machine: simulated Talos machines whose control planes each run a
+real kube-apiserver, kube-controller-manager and kube-scheduler and share a real etcd (or,
+with --hosted=false, one of each beside the machines), Ichor's manifests, workloads, and
+ichor-controller's pods on the machines, all on loopback, until Ctrl-C.`
 
 // pairValue is a repeatable KEY=VALUE flag (--image IMAGE=BINARY, --talos-on
 // MACHINE=VERSION) into a map; value, if set, rewrites each value.
@@ -130,6 +134,14 @@ func (v pairValue) Set(s string) error {
 	return nil
 }
 
+// controlPlaneLine says where the cluster's control plane runs.
+func controlPlaneLine(hosted bool) string {
+	if hosted {
+		return "each control plane with its own kube-apiserver, kube-controller-manager and kube-scheduler, and their etcd"
+	}
+	return "one kube-apiserver, etcd, kube-controller-manager and kube-scheduler beside them"
+}
+
 func defaultKubectl() string {
 	if k := os.Getenv("KUBECTL"); k != "" {
 		return k
@@ -149,8 +161,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "error:", err)
 		return 2
 	}
-	fmt.Fprintf(stdout, "Starting the Ichor sandbox: kube-apiserver, etcd, kube-controller-manager and kube-scheduler, Ichor's manifests, %d control planes + %d workers on Talos %s and Kubernetes %s, Cilium, workloads, ichor-controller...\n",
-		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes)
+	fmt.Fprintf(stdout, "Starting the Ichor sandbox: %d control planes + %d workers on Talos %s and Kubernetes %s, %s, Ichor's manifests, Cilium, workloads, ichor-controller...\n",
+		o.ControlPlanes, o.Workers, o.Talos, o.Kubernetes, controlPlaneLine(o.Hosted))
 	sb, err := Start(ctx, o.config)
 	if ctx.Err() != nil {
 		fmt.Fprintln(stderr, "interrupted while starting; everything it started is stopped")
@@ -187,18 +199,25 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func printUsage(w io.Writer, sb *Sandbox) error {
 	machines := sb.Fleet.Machines()
 	first, last := machines[0].Name(), machines[len(machines)-1].Name()
+	api := fmt.Sprintf(`%s (kube-apiserver, etcd, kube-controller-manager and kube-scheduler
+                 built by make envtest-assets, beside the machines; their logs in %s)`, sb.Admin.Host, relative(sb.cfg.Dir))
+	if sb.cfg.Hosted {
+		api = fmt.Sprintf(`%s, balanced across the control planes (KubePrism's role): each runs
+                 its own kube-apiserver, kube-controller-manager and kube-scheduler (one
+                 of each leads), restarted as Talos restarts its static pods, and they
+                 share etcd (%s); logs in %s/<machine>/`, sb.Admin.Host, sb.Fleet.HostedEtcd().ClientURL, relative(sb.Path(dirControlPlane)))
+	}
 	fmt.Fprintf(w, `
 The Ichor sandbox is up (ready). Everything listens on loopback and stays up until Ctrl-C.
 
-  API server     %s (kube-apiserver, etcd, kube-controller-manager and kube-scheduler
-                 built by make envtest-assets; their logs in %s)
+  API            %s
   Machines       %d simulated Talos machines: %s ... %s, Talos API at %s
   Workloads      Deployment web (4, PDB minAvailable 3), StatefulSet db (3, PDB maxUnavailable 1),
                  DaemonSet node-agent, pod debug: %s
   CNI            %s
   Controller     Deployment %s/%s (image %s): its pods run on the workers
                  as %s, the leader and a standby; their logs in %s
-`, sb.Admin.Host, relative(sb.cfg.Dir), len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)),
+`, api, len(machines), first, last, sb.Fleet.Endpoints()[0], relative(sb.Path(fileWorkloads)),
 		cniLine(sb), ichorv1.DefaultNamespace, manifests.Deployment, sb.Image, relative(sb.cfg.Controller), relative(sb.Path(dirPods))+"/"+ichorv1.DefaultNamespace+"_"+manifests.Deployment+"-*/"+manifests.Container+".log")
 	if err := printWalkThrough(w, sb); err != nil {
 		return err

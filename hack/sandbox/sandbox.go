@@ -59,11 +59,15 @@ const (
 	// dirCharts holds the Cilium charts (Ichor's test chart), as the
 	// controller image holds the one it ships.
 	dirCharts = "charts"
+	// dirControlPlane holds, with hosted control planes, each one's
+	// kube-apiserver, kube-controller-manager and kube-scheduler files and
+	// logs (<machine>/<component>.log) and etcd's data and log.
+	dirControlPlane = "control-plane"
 )
 
 // sandboxDirs are the directories a sandbox makes in its directory, removed
 // with what they hold.
-var sandboxDirs = []string{dirPods, dirCharts}
+var sandboxDirs = []string{dirPods, dirCharts, dirControlPlane}
 
 var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization}
 
@@ -108,6 +112,12 @@ type config struct {
 	// Pace is the length of the shortest simulated step; the others are
 	// multiples of it (a reboot takes 3, an install 2).
 	Pace time.Duration
+	// Hosted makes the control planes host the cluster as on Talos: each
+	// runs its own kube-apiserver, kube-controller-manager and
+	// kube-scheduler rendered from its machine configuration, and etcd
+	// belongs to them (sim.Spec.Hosted). Off, one fixed API server, etcd,
+	// controller manager and scheduler run beside the machines.
+	Hosted bool
 	// Stdout receives kubectl's output while the sandbox starts.
 	Stdout io.Writer
 }
@@ -144,7 +154,7 @@ func (c config) validate() error {
 	if c.Assets == "" {
 		errs = append(errs, errors.New("KUBEBUILDER_ASSETS is not set: run `make sandbox`, or `KUBEBUILDER_ASSETS=$(make -s envtest-assets) go run ./hack/sandbox`"))
 	} else {
-		for _, bin := range []string{"kube-apiserver", "kube-controller-manager", "kube-scheduler"} {
+		for _, bin := range []string{"kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler"} {
 			if _, err := os.Stat(filepath.Join(c.Assets, bin)); err != nil {
 				errs = append(errs, fmt.Errorf("no %s in KUBEBUILDER_ASSETS=%s: run `make envtest-assets`", bin, c.Assets))
 			}
@@ -258,16 +268,10 @@ func Start(ctx context.Context, cfg config) (_ *Sandbox, err error) {
 	if err := s.writeCharts(); err != nil {
 		return nil, err
 	}
-	if err := s.startAPIServer(); err != nil {
+	if err := s.startCluster(ctx); err != nil {
 		return nil, err
 	}
-	if err := s.install(ctx); err != nil {
-		return nil, err
-	}
-	if err := s.startControlPlane(ctx); err != nil {
-		return nil, err
-	}
-	if err := s.startFleet(ctx); err != nil {
+	if err := s.giveTalosconfig(ctx); err != nil {
 		return nil, err
 	}
 	if cfg.Cilium {
@@ -352,6 +356,28 @@ func (s *Sandbox) openLog() error {
 	return nil
 }
 
+// startCluster starts the API, Ichor's manifests in it, and the machines:
+// with hosted control planes the machines first (they run the API), else
+// the fixed API server and components, then the machines.
+func (s *Sandbox) startCluster(ctx context.Context) error {
+	if s.cfg.Hosted {
+		if err := s.startHostedFleet(ctx); err != nil {
+			return err
+		}
+		return s.install(ctx)
+	}
+	if err := s.startAPIServer(); err != nil {
+		return err
+	}
+	if err := s.install(ctx); err != nil {
+		return err
+	}
+	if err := s.startControlPlane(ctx); err != nil {
+		return err
+	}
+	return s.startFleet(ctx)
+}
+
 // startAPIServer starts etcd and kube-apiserver (both on loopback: envtest
 // binds them to 127.0.0.1) and writes an admin kubeconfig.
 func (s *Sandbox) startAPIServer() error {
@@ -375,11 +401,14 @@ func (s *Sandbox) startAPIServer() error {
 	if err != nil {
 		return err
 	}
-	if kc, err = renameContext(kc, "ichor-sandbox"); err != nil {
+	if kc, err = renameContext(kc, kubeContext); err != nil {
 		return err
 	}
 	return s.write(fileKubeconfig, kc, 0o600)
 }
+
+// kubeContext names the kubeconfig's cluster, user and context.
+const kubeContext = "ichor-sandbox"
 
 // renameContext names the kubeconfig's cluster, user and context after the
 // sandbox, so that it reads well in `kubectl config get-contexts`.
@@ -514,26 +543,66 @@ func (s *Sandbox) startWorkloads(ctx context.Context) error {
 	return err
 }
 
-// startFleet starts the simulated machines (their Nodes appear in the API
-// server), writes their talosconfig and gives it to the controller the way
-// the README tells an admin to: kubectl create secret.
+// startFleet starts the simulated machines (their Nodes appear in the
+// fixed API server).
 func (s *Sandbox) startFleet(ctx context.Context) error {
-	logFile := s.simLog
-	var mu sync.Mutex
-	logf := func(format string, args ...any) {
-		mu.Lock()
-		defer mu.Unlock()
-		fmt.Fprintf(logFile, "%s %s\n", time.Now().Format(time.RFC3339Nano), fmt.Sprintf(format, args...))
-	}
 	kube, err := kubernetes.NewForConfig(s.Admin)
 	if err != nil {
 		return err
 	}
-	spec := s.cfg.fleetSpec(s.Image, s.Path(dirPods), logf)
+	spec := s.cfg.fleetSpec(s.Image, s.Path(dirPods), s.logf())
 	spec.APIServer = s.Admin
 	if s.Fleet, err = sim.Start(ctx, spec, kube); err != nil {
 		return fmt.Errorf("start the simulated machines: %w", err)
 	}
+	return nil
+}
+
+// startHostedFleet starts the simulated machines with their control planes
+// hosting the cluster (config.Hosted): each one's kube-apiserver,
+// kube-controller-manager (node lifecycle included: the machines renew
+// their Node Leases) and kube-scheduler, their etcd, behind one endpoint;
+// then writes an admin kubeconfig for that endpoint.
+func (s *Sandbox) startHostedFleet(ctx context.Context) error {
+	spec := s.cfg.fleetSpec(s.Image, s.Path(dirPods), s.logf())
+	spec.Hosted = &sim.Hosted{Assets: s.cfg.Assets, Dir: s.Path(dirControlPlane), Components: sim.HostedComponents{
+		ControllerManager: true, Scheduler: true, NodeMonitorGracePeriod: nodeGracePeriod,
+	}}
+	var err error
+	if s.Fleet, err = sim.Start(ctx, spec, nil); err != nil {
+		return fmt.Errorf("start the simulated machines: %w (their logs: %s)", err, relative(s.Path(dirControlPlane)))
+	}
+	cfg := s.Fleet.APIConfig()
+	cfg.QPS, cfg.Burst = 200, 400
+	s.Admin = cfg
+	if s.Client, err = client.New(cfg, client.Options{Scheme: app.Scheme}); err != nil {
+		return err
+	}
+	kc, err := clientcmd.Write(clientcmdapi.Config{
+		Clusters:       map[string]*clientcmdapi.Cluster{kubeContext: {Server: cfg.Host, CertificateAuthorityData: cfg.CAData}},
+		AuthInfos:      map[string]*clientcmdapi.AuthInfo{kubeContext: {ClientCertificateData: cfg.CertData, ClientKeyData: cfg.KeyData}},
+		Contexts:       map[string]*clientcmdapi.Context{kubeContext: {Cluster: kubeContext, AuthInfo: kubeContext, Namespace: metav1.NamespaceDefault}},
+		CurrentContext: kubeContext,
+	})
+	if err != nil {
+		return err
+	}
+	return s.write(fileKubeconfig, kc, 0o600)
+}
+
+// logf writes a line to sim.log, where the machines log.
+func (s *Sandbox) logf() func(string, ...any) {
+	var mu sync.Mutex
+	return func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Fprintf(s.simLog, "%s %s\n", time.Now().Format(time.RFC3339Nano), fmt.Sprintf(format, args...))
+	}
+}
+
+// giveTalosconfig writes the machines' talosconfig and gives it to the
+// controller the way the README tells an admin to: kubectl create secret.
+func (s *Sandbox) giveTalosconfig(ctx context.Context) error {
 	tc, err := s.Fleet.Talosconfig().Bytes()
 	if err != nil {
 		return fmt.Errorf("talosconfig: %w", err)
@@ -571,10 +640,14 @@ func (s *Sandbox) waitController(ctx context.Context) error {
 }
 
 func (s *Sandbox) writeState() error {
+	etcd := s.Fleet.HostedEtcd().ClientURL
+	if s.env != nil {
+		etcd = s.env.ControlPlane.Etcd.URL.String()
+	}
 	st := state{
 		PID:        os.Getpid(),
 		APIServer:  s.Admin.Host,
-		Etcd:       s.env.ControlPlane.Etcd.URL.String(),
+		Etcd:       etcd,
 		TalosAPI:   s.Fleet.Endpoints(),
 		Kubeconfig: s.Path(fileKubeconfig),
 	}
@@ -598,8 +671,8 @@ func shellQuote(s string) string {
 }
 
 // Stop stops the fleet (and with it the processes of its pods, the
-// controller's), kube-scheduler, kube-controller-manager, kube-apiserver and
-// etcd, in that order, and removes the files the sandbox wrote. It is safe
+// controller's, and with hosted control planes theirs), kube-scheduler,
+// kube-controller-manager, kube-apiserver and etcd, in that order, and removes the files the sandbox wrote. It is safe
 // to call twice.
 func (s *Sandbox) Stop() {
 	s.stopOnce.Do(func() {
