@@ -346,6 +346,7 @@ func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began
 	// The mirror pods follow the new static pod, now that the API is there.
 	if k := h.kubeSide(); k != nil {
 		k.staticPods(m, true)
+		k.apiBack()
 	}
 }
 

@@ -41,6 +41,9 @@ type kube struct {
 	ready    map[string]bool   // last Ready written per Node
 	faultAnn map[string]string // last fault annotation seen per Node
 	podsGone chan struct{}     // closed and replaced when a pod goes away
+	// unposted are the machines whose boot's Node Ready went unwritten
+	// (the API was down: Spec.Hosted); apiBack writes it.
+	unposted map[*Machine]bool
 }
 
 const podNodeIndex = "node"
@@ -278,11 +281,38 @@ func (k *kube) nodeUp(m *Machine) {
 	}
 	ctx, cancel := k.ctx()
 	defer cancel()
-	if err := k.writeStatus(ctx, m, true, false); err != nil {
+	err := k.writeStatus(ctx, m, true, false)
+	if err != nil {
 		k.f.logf("%s: Node Ready: %v", m.Name(), err)
 	}
-	if err := k.uncordon(ctx, m); err != nil {
-		k.f.logf("%s: uncordon: %v", m.Name(), err)
+	if uerr := k.uncordon(ctx, m); uerr != nil {
+		k.f.logf("%s: uncordon: %v", m.Name(), uerr)
+		err = uerr
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.unposted == nil {
+		k.unposted = map[*Machine]bool{}
+	}
+	k.unposted[m] = err != nil
+}
+
+// apiBack is the kubelets' next status update once an API server is
+// ready again: a machine that booted while the API did not answer is
+// marked Ready (and uncordoned) now.
+func (k *kube) apiBack() {
+	k.mu.Lock()
+	var retry []*Machine
+	for m, lost := range k.unposted {
+		if lost {
+			retry = append(retry, m)
+		}
+	}
+	k.mu.Unlock()
+	for _, m := range retry {
+		if !m.Down() {
+			k.nodeUp(m)
+		}
 	}
 }
 
