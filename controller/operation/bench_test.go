@@ -167,15 +167,16 @@ func BenchmarkKubernetesSchedule(b *testing.B) {
 	staticPods := 3 * cps * d.PodReady
 	kubelets := batches * d.KubeletRestart
 	for i := 0; i < b.N; i++ {
-		rollout := watchRollout(b, "kube-proxy")
+		rolledOut := watchRollout(b, "kube-proxy")
 		wall := runSchedule(b, spec, op, func(c *cluster) {
 			b.Cleanup(func() { removeBootstrapManifests(b) })
 			waitKubeProxy(b, "registry.k8s.io/kube-proxy:v1.35.0", cps+workers)
 		}, nil)
-		ideal := prePull + staticPods + rollout() + kubelets
+		rollout := rolledOut()
+		ideal := prePull + staticPods + rollout + kubelets
 		b.ReportMetric(wall.Seconds()/ideal.Seconds(), "wall/ideal")
 		b.Logf("kubernetes: wall %s, ideal %s (pre-pull %s, static pods %s, kube-proxy's rollout %s, kubelets %s): ratio %.3f (budget %.2f)",
-			wall.Round(time.Millisecond), ideal.Round(time.Millisecond), prePull, staticPods, rollout().Round(time.Millisecond), kubelets,
+			wall.Round(time.Millisecond), ideal.Round(time.Millisecond), prePull, staticPods, rollout.Round(time.Millisecond), kubelets,
 			wall.Seconds()/ideal.Seconds(), wallBudget)
 	}
 }

@@ -305,14 +305,16 @@ func (t *turn) launchChained() {
 		return
 	}
 	for _, m := range t.op.Status.Machines {
-		if m.Phase != ichorv1.MachineInProgress || m.Stopped || t.persistedAt(&m) {
+		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
 			continue
 		}
-		if p := entry(&t.persisted.Status, m.Name); p == nil || p.Phase != ichorv1.MachineInProgress || p.Attempts != m.Attempts {
-			continue // it begins this turn: its first step waits for the write
+		// Persisted status has it in progress at an earlier step of this
+		// attempt; one that begins this turn waits for the write.
+		if p := entry(&t.persisted.Status, m.Name); p == nil || p.Phase != ichorv1.MachineInProgress || p.Attempts != m.Attempts || p.Step == m.Step {
+			continue
 		}
 		step, ok := findStep(t.exec.Steps(t.op, &m), m.Step)
-		if !ok || !step.Chained || step.Run == nil || step.Irreversible || step.Cordons || t.r.runner.busy(t.key(m.Name), m.Step, m.Attempts) {
+		if !ok || !chainable(step) || step.Cordons || t.r.runner.busy(t.key(m.Name), m.Step, m.Attempts) {
 			continue
 		}
 		if err := t.run(t.persisted, m, step); err != nil {
@@ -337,7 +339,7 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		record(m, out)
 		steps := exec.Steps(op, m)
 		next, ok := findStep(steps, stepAfter(steps, current, out))
-		if !ok || !next.Chained || next.Run == nil || next.Irreversible {
+		if !ok || !chainable(next) {
 			return executor.Step{}, 0, false
 		}
 		if next.Cordons {
@@ -350,6 +352,12 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		env.Log = log.WithValues("machine", m.Name, "step", next.Name, "attempt", m.Attempts)
 		return next, r.timeout(next), true
 	}
+}
+
+// chainable says whether step may start without a status write of its
+// own: a Chained Run step that makes no irreversible call.
+func chainable(step executor.Step) bool {
+	return step.Chained && step.Run != nil && !step.Irreversible
 }
 
 // timeout bounds step: its own timeout, or the reconciler's default.
