@@ -3,7 +3,6 @@ package sim
 import (
 	"context"
 	"crypto/tls"
-	stdx509 "crypto/x509"
 	"fmt"
 	"io"
 	"net"
@@ -13,7 +12,6 @@ import (
 	"time"
 
 	cosiv1alpha1 "github.com/cosi-project/runtime/api/v1alpha1"
-	"github.com/siderolabs/crypto/x509"
 	"github.com/siderolabs/talos/pkg/machinery/api/common"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
@@ -30,8 +28,9 @@ import (
 )
 
 // endpoint is a control plane's Talos API listener, playing apid: mutual
-// TLS 1.3 with a server certificate for the machine's address, and routing
-// of every call to the machine its node metadata names.
+// TLS 1.3 with a server certificate for the machine's address and the
+// client CAs of its active configuration (apidTLS), and routing of every
+// call to the machine its node metadata names.
 type endpoint struct {
 	f    *Fleet
 	m    *Machine
@@ -44,18 +43,10 @@ type endpoint struct {
 }
 
 func newEndpoint(f *Fleet, m *Machine) (*endpoint, error) {
-	kp, err := x509.NewKeyPair(f.ca,
-		x509.CommonName(m.Name()),
-		x509.IPAddresses([]net.IP{net.ParseIP(m.addr)}),
-		x509.DNSNames([]string{m.Name()}),
-		x509.ExtKeyUsage([]stdx509.ExtKeyUsage{stdx509.ExtKeyUsageServerAuth}),
-		x509.NotAfter(time.Now().Add(365*24*time.Hour)),
-	)
+	cfg, err := apidTLS(m)
 	if err != nil {
-		return nil, fmt.Errorf("%s: server certificate: %w", m.Name(), err)
+		return nil, fmt.Errorf("%s: apid TLS: %w", m.Name(), err)
 	}
-	pool := stdx509.NewCertPool()
-	pool.AppendCertsFromPEM(f.secrets.Certs.OS.Crt)
 	// Bind now, port 0: the port is known before the machine boots and
 	// stays the machine's across reboots.
 	lis, err := net.Listen("tcp", net.JoinHostPort(m.addr, "0"))
@@ -63,14 +54,9 @@ func newEndpoint(f *Fleet, m *Machine) (*endpoint, error) {
 		return nil, fmt.Errorf("%s: listen on %s: %w", m.Name(), m.addr, err)
 	}
 	return &endpoint{
-		f: f,
-		m: m,
-		tls: &tls.Config{
-			Certificates: []tls.Certificate{*kp.Certificate},
-			ClientAuth:   tls.RequireAndVerifyClientCert,
-			ClientCAs:    pool,
-			MinVersion:   tls.VersionTLS13,
-		},
+		f:    f,
+		m:    m,
+		tls:  cfg,
 		port: lis.Addr().(*net.TCPAddr).Port,
 		lis:  lis,
 	}, nil
@@ -168,8 +154,9 @@ func peerRoles(ctx context.Context) role.Set {
 }
 
 type target struct {
-	name string // as the client wrote it
-	m    *Machine
+	name  string // as the client wrote it
+	m     *Machine
+	owner *Machine // the control plane whose endpoint the client reached
 }
 
 // route decides where a call goes, as apid's director does: "node" is one
@@ -191,15 +178,15 @@ func (f *Fleet) route(ctx context.Context, fullMethod string, owner *Machine) ([
 		for _, v := range nodes {
 			for _, n := range strings.Split(v, ",") {
 				if n = strings.TrimSpace(n); n != "" {
-					ts = append(ts, target{name: n, m: f.lookup(n)})
+					ts = append(ts, target{name: n, m: f.lookup(n), owner: owner})
 				}
 			}
 		}
 		return ts, true, nil
 	case okNode:
-		return []target{{name: node[0], m: f.lookup(node[0])}}, false, nil
+		return []target{{name: node[0], m: f.lookup(node[0]), owner: owner}}, false, nil
 	default:
-		return []target{{name: owner.addr, m: owner}}, false, nil
+		return []target{{name: owner.addr, m: owner, owner: owner}}, false, nil
 	}
 }
 
@@ -218,7 +205,7 @@ func unavailable(name string) error {
 }
 
 // call runs one call on one machine: down machines are unreachable, then
-// the role check, the faults and the handler, which sees the machine and
+// the hop from the endpoint's machine (proxyTrust), the role check, the faults and the handler, which sees the machine and
 // the roles in its context and is cancelled if the machine goes down.
 func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles role.Set, stream bool, fn func(context.Context) (any, error)) (any, error) {
 	m := t.m
@@ -232,6 +219,9 @@ func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles rol
 	m.mu.Unlock()
 	if !up {
 		return nil, unavailable(m.addr)
+	}
+	if err := f.proxyTrust(t.owner, m); err != nil {
+		return nil, err
 	}
 	if !authorized(fullMethod, roles) {
 		return nil, status.Error(codes.PermissionDenied, "not authorized")

@@ -41,6 +41,16 @@
 // talosconfig; Fleet.ClientConfig(roles...) mints one for other roles
 // (os:reader, os:operator, os:etcd:backup...). Server certificates carry the
 // control plane's IP as SAN; TLS 1.3 with client certificates is required.
+// As apid, each control plane trusts what its active configuration says:
+// the client CAs are machine.acceptedCAs plus machine.ca, and its server
+// certificate is issued by machine.ca, both taken again at the next
+// handshake after a change (connections already open stay, as on Talos),
+// so a CA rotation through ApplyConfiguration is real: a client
+// certificate of a CA no longer accepted is refused at the handshake. A
+// call routed to another machine makes apid's hop over mutual TLS: that
+// machine must accept the control plane's machine.ca and the other way
+// round. GenerateClientConfiguration (control planes only) mints from the
+// machine's own machine.ca.
 // The role is the client certificate's Organization, checked per method with
 // Talos's own table (machined's authz rules: Reboot, Shutdown,
 // ServiceRestart, EtcdDefragment and ImageService.Pull need os:operator;

@@ -28,8 +28,10 @@ type Fleet struct {
 	wg      sync.WaitGroup
 	stopped atomic.Bool
 
+	// secrets are the fleet's: the configurations are generated from them,
+	// and Talosconfig and ClientConfig mint from their Talos API CA (the
+	// machines trust what their own configuration says, apiTrust).
 	secrets *secrets.Bundle
-	ca      *x509.CertificateAuthority
 	cfgs    *configs
 	etcd    *etcdCluster
 	rec     *Recorder
@@ -71,9 +73,6 @@ func Start(ctx context.Context, spec Spec, kube kubernetes.Interface) (*Fleet, e
 	f.cfgs = &configs{f: f, cache: map[string]config.Provider{}}
 	if f.secrets, err = newSecrets(); err != nil {
 		return nil, fmt.Errorf("fleet secrets: %w", err)
-	}
-	if f.ca, err = x509.NewCertificateAuthorityFromCertificateAndKey(f.secrets.Certs.OS); err != nil {
-		return nil, fmt.Errorf("fleet CA: %w", err)
 	}
 	for i, ms := range spec.Machines {
 		addr := fmt.Sprintf("127.%d.%d.%d", octet, i/250, i%250+1)

@@ -39,6 +39,8 @@ type Machine struct {
 	// the static pods were last rendered with (renderMu).
 	secretsKey string
 	secretsVer int
+	// trustCache is the Talos API trust of the active configuration.
+	trustCache trustCache
 
 	mu         sync.Mutex
 	up         bool // answering the API

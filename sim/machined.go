@@ -12,8 +12,10 @@ import (
 	"github.com/google/uuid"
 	"github.com/siderolabs/talos/pkg/machinery/api/common"
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	clientconfig "github.com/siderolabs/talos/pkg/machinery/client/config"
 	"github.com/siderolabs/talos/pkg/machinery/config/configdiff"
 	"github.com/siderolabs/talos/pkg/machinery/config/configloader"
+	"github.com/siderolabs/talos/pkg/machinery/config/generate/secrets"
 	"github.com/siderolabs/talos/pkg/machinery/constants"
 	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"github.com/siderolabs/talos/pkg/machinery/role"
@@ -588,15 +590,23 @@ func (s *machined) GenerateClientConfiguration(ctx context.Context, in *machine.
 	if in.CrtTtl != nil {
 		ttl = in.CrtTtl.AsDuration()
 	}
-	crt, err := s.f.secrets.GenerateTalosAPIClientCertificateWithTTL(roles, ttl)
+	// As Talos, from the secrets of the machine's own configuration: after
+	// a CA rotation, its new machine.ca.
+	m := callee(ctx)
+	if m.spec.Role != ControlPlane {
+		return nil, status.Error(codes.Unimplemented, "generate client configuration is only available on control plane nodes")
+	}
+	ca := m.Config().Machine().Security().IssuingCA()
+	bundle := &secrets.Bundle{Clock: secrets.NewFixedClock(time.Now()), Certs: &secrets.Certs{OS: ca}}
+	crt, err := bundle.GenerateTalosAPIClientCertificateWithTTL(roles, ttl)
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := s.f.clientConfigFor(crt).Bytes()
+	cfg, err := clientconfig.NewConfig(s.f.spec.Name, s.f.Endpoints(), ca.Crt, crt).Bytes()
 	if err != nil {
 		return nil, err
 	}
 	return &machine.GenerateClientConfigurationResponse{Messages: []*machine.GenerateClientConfiguration{{
-		Ca: s.f.secrets.Certs.OS.Crt, Crt: crt.Crt, Key: crt.Key, Talosconfig: cfg,
+		Ca: ca.Crt, Crt: crt.Crt, Key: crt.Key, Talosconfig: cfg,
 	}}}, nil
 }
