@@ -11,6 +11,7 @@ import (
 
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
+	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -205,6 +206,16 @@ func cacheOptions(ns string) cache.Options {
 			&corev1.Pod{}: {
 				Namespaces: map[string]cache.Config{"kube-system": {}},
 				Label:      controlPlanePods,
+			},
+			// The metadata of Talos's bootstrap workloads whose rollouts the
+			// kubernetes and cni kinds wait for (by name: the RBAC grants no more).
+			&appsv1.DaemonSet{}: {
+				Namespaces: map[string]cache.Config{"kube-system": {}},
+				Field:      fields.OneTermEqualSelector("metadata.name", "kube-proxy"),
+			},
+			&appsv1.Deployment{}: {
+				Namespaces: map[string]cache.Config{"kube-system": {}},
+				Field:      fields.OneTermEqualSelector("metadata.name", "coredns"),
 			},
 		},
 	}

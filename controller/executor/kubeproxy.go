@@ -138,7 +138,10 @@ func manifestsReadyStep() Step {
 		}
 		ok, why, err := bootstrap.Reconciled(ctx, e.Live)
 		if err != nil || !ok {
-			return false, Outcome{Message: why, Recheck: 2 * time.Second}, err
+			// A change of kube-proxy's DaemonSet or CoreDNS's Deployment
+			// wakes the step (the controller watches them); the recheck is
+			// for a read that failed and the tracked objects nobody watches.
+			return false, Outcome{Message: why, Recheck: 10 * time.Second}, err
 		}
 		return true, Outcome{Message: fmt.Sprintf("kube-proxy %s rolled out; %s", version, why)}, nil
 	}}

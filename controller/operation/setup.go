@@ -5,6 +5,7 @@ import (
 	"strings"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -56,6 +57,12 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 		// The control-plane mirror pods (all the cache holds of Pods): a
 		// kubernetes upgrade waits for each to restart on its new version.
 		Watches(&corev1.Pod{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(mirrorPodChanged())).
+		// Talos's bootstrap workloads (the cache holds kube-proxy's DaemonSet
+		// and CoreDNS's Deployment only): the kinds that sync or remove them
+		// wait for their rollouts, which only their status announces.
+		// Metadata is enough to notice a change; the steps read them live.
+		Watches(&appsv1.DaemonSet{}, handler.EnqueueRequestsFromMapFunc(r.bootstrapWaiters), builder.OnlyMetadata).
+		Watches(&appsv1.Deployment{}, handler.EnqueueRequestsFromMapFunc(r.bootstrapWaiters), builder.OnlyMetadata).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.LockLeaseName), lock.Changed())).
 		Watches(&corev1.Secret{}, handler.EnqueueRequestsFromMapFunc(r.active), builder.WithPredicates(inNamespace(ichorv1.TalosconfigSecret))).
 		// A Job holding the lock (the Cilium Helm Job) is stale once it
@@ -72,6 +79,16 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
 	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
 		return !over(op)
+	})
+}
+
+// bootstrapWaiters maps a change of a bootstrap workload to the active
+// operations of the kinds that wait for one: waking the others (a Talos
+// upgrade's reboots move kube-proxy's status on every machine) would only
+// cost them turns.
+func (r *Reconciler) bootstrapWaiters(ctx context.Context, _ client.Object) []reconcile.Request {
+	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
+		return !over(op) && (op.Spec.Kind == ichorv1.KindKubernetes || op.Spec.Kind == ichorv1.KindCNI)
 	})
 }
 
