@@ -461,6 +461,8 @@ var rules = map[string]role.Set{
 	"/machine.MachineService/Version":               role.MakeSet(role.Admin, role.Operator, role.Reader),
 	"/machine.MachineService/Read":                  role.MakeSet(role.Admin),
 	"/machine.MachineService/EtcdForfeitLeadership": role.MakeSet(role.Admin),
+	"/machine.MachineService/MetaWrite":             role.MakeSet(role.Admin, role.MetaWriter),
+	"/machine.MachineService/MetaDelete":            role.MakeSet(role.Admin, role.MetaWriter),
 
 	"/cosi.resource.State/Get":   role.MakeSet(role.Admin, role.Operator, role.Reader),
 	"/cosi.resource.State/List":  role.MakeSet(role.Admin, role.Operator, role.Reader),

@@ -32,6 +32,7 @@ var cosiTypes = func() map[resource.Type]bool {
 		runtime.NewMachineStatus(), runtime.NewVersion(), runtime.NewExtensionStatus(runtime.NamespaceName, "0"),
 		runtime.NewSecurityStateSpec(runtime.NamespaceName), v1alpha1.NewService("x"),
 		k8s.NewNodename(k8s.NamespaceName, k8s.NodenameID), etcd.NewMember(etcd.NamespaceName, etcd.LocalMemberID),
+		runtime.NewMetaKey(runtime.NamespaceName, runtime.MetaKeyTagToID(0)),
 	} {
 		rd := r.(meta.ResourceDefinitionProvider).ResourceDefinition()
 		types[r.Metadata().Type()] = rd.Sensitivity == meta.Sensitive

@@ -105,12 +105,20 @@
 // nodeAnnotations and nodeTaints are put on the Node); EtcdStatus, EtcdMemberList,
 // EtcdAlarmList, EtcdAlarmDisarm, EtcdDefragment, EtcdForfeitLeadership,
 // EtcdLeaveCluster, EtcdRemoveMemberByID, EtcdSnapshot, EtcdRecover and
-// Bootstrap (Unimplemented on workers); GenerateClientConfiguration; COSI
+// Bootstrap (Unimplemented on workers); MetaWrite and MetaDelete of the
+// META partition's keys (os:admin or os:meta:writer; the key must fit in a
+// uint8; the values share Talos's ADV budget of 256 KiB less 40 bytes,
+// beyond which a write is ResourceExhausted "meta write failed"; deleting a
+// missing key is NotFound; on Platform "container" FailedPrecondition, as
+// Talos in a container has no META), which survive reboots and resets that
+// wipe EPHEMERAL or STATE and are lost only when the reset wipes the whole
+// system disk or META; GenerateClientConfiguration; COSI
 // Get, List and Watch of MachineConfig (v1alpha1 and persistent),
 // MachineType, MachineStatus, Version, ExtensionStatus (the "schematic"
 // entry carries the schematic ID; none without a schematic), SecurityState,
 // Service (apid, containerd, cri, machined, udevd, kubelet, ext-*, and etcd
-// and trustd on control planes), Nodename, the local etcd Member, the
+// and trustd on control planes), Nodename, the local etcd Member, the META keys (MetaKey, namespace runtime,
+// ID "0x0d"; not sensitive), the
 // KubeletSpec (the kubelet image, its flags with machine.kubelet.extraArgs
 // merged in as Talos's argsbuilder renders them, and extraConfig) and, on
 // control planes, the components' APIServerConfig, ControllerManagerConfig

@@ -76,6 +76,8 @@ type Machine struct {
 	etcdDBInUse     int64
 	recoverSnapshot []byte
 
+	meta metaPartition
+
 	faults        []*activeFault
 	annFaults     map[string]*activeFault
 	faultsChanged chan struct{}
@@ -557,6 +559,7 @@ func (m *Machine) shutdown(ctx context.Context, actor string, force bool) {
 type resetPlan struct {
 	graceful, reboot bool
 	wipeEtcd         bool // EPHEMERAL (which holds /var/lib/etcd) goes
+	wipeMeta         bool // META goes (the whole system disk, or META by label)
 }
 
 func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
@@ -577,6 +580,9 @@ func (m *Machine) reset(ctx context.Context, actor string, p resetPlan) {
 	m.f.kube.resetPods(ctx, m)
 	if p.wipeEtcd && m.spec.Role == ControlPlane {
 		m.f.etcd.wipe(m)
+	}
+	if p.wipeMeta {
+		m.wipeMeta()
 	}
 	since := m.goDown(actor)
 	if !p.reboot {

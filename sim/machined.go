@@ -123,9 +123,11 @@ func (s *machined) Reset(ctx context.Context, in *machine.ResetRequest) (*machin
 				return nil, fmt.Errorf("failed to get volume status with label %q: resource VolumeStatuses.block.talos.dev(runtime/%s@undefined) doesn't exist", p.Label, p.Label)
 			}
 			plan.wipeEtcd = plan.wipeEtcd || p.Wipe && p.Label == constants.EphemeralPartitionLabel
+			plan.wipeMeta = plan.wipeMeta || p.Wipe && p.Label == constants.MetaPartitionLabel
 		}
 	} else {
 		plan.wipeEtcd = in.Mode != machine.ResetRequest_USER_DISKS
+		plan.wipeMeta = plan.wipeEtcd
 	}
 	actor := uuid.NewString()
 	m.startSequence("reset", false, func(c context.Context) { m.reset(c, actor, plan) })
