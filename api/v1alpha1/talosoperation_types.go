@@ -326,6 +326,13 @@ type EtcdRestore struct {
 	// +kubebuilder:validation:MaxLength=253
 	// +optional
 	Machine string `json:"machine,omitempty"`
+	// Secret names a Secret in the operation's namespace with the credentials
+	// of an s3:// snapshot: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and
+	// optionally AWS_SESSION_TOKEN, AWS_REGION and AWS_ENDPOINT_URL (an
+	// S3-compatible server). Without it the object is read anonymously.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	Secret string `json:"secret,omitempty"`
 }
 
 // DrainTimeoutAction is what happens when a drain does not finish in time.

@@ -1,0 +1,232 @@
+package snapshot_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/johannesboyne/gofakes3"
+	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	bolt "go.etcd.io/bbolt"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
+
+	"maesh.dev/ichor/controller/snapshot"
+)
+
+// put is one write in a fake store: key at revision, or its deletion.
+type put struct {
+	rev     int64
+	key     string
+	deleted bool
+}
+
+// makeSnapshot writes a bbolt file laid out as etcd's backend (bucket
+// "key" keyed by revision, bucket "meta" with the storage version) and
+// appends its SHA-256 as etcd's snapshot stream does.
+func makeSnapshot(t *testing.T, puts []put) []byte {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "db")
+	db, err := bolt.Open(path, 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		meta, err := tx.CreateBucket([]byte("meta"))
+		if err != nil {
+			return err
+		}
+		if err := meta.Put([]byte("storageVersion"), []byte("3.6.0")); err != nil {
+			return err
+		}
+		kb, err := tx.CreateBucket([]byte("key"))
+		if err != nil {
+			return err
+		}
+		for _, p := range puts {
+			k := make([]byte, 17, 18)
+			binary.BigEndian.PutUint64(k, uint64(p.rev))
+			k[8] = '_'
+			if p.deleted {
+				k = append(k, 't')
+			}
+			v, err := proto.Marshal(&mvccpb.KeyValue{Key: []byte(p.key), ModRevision: p.rev, Value: []byte("v")})
+			if err != nil {
+				return err
+			}
+			if err := kb.Put(k, v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(b)
+	return append(b, sum[:]...)
+}
+
+func writeFile(t *testing.T, b []byte) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "snapshot.db")
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+var puts = []put{{2, "/registry/a", false}, {3, "/registry/b", false}, {4, "/registry/a", true}, {7, "/registry/c", false}}
+
+// TestVerify: a good snapshot's status; one cut short, one corrupted and
+// one that is not a bbolt file each refused with what was found. Where the
+// envtest assets have etcdutl, its snapshot status must agree.
+func TestVerify(t *testing.T) {
+	good := makeSnapshot(t, puts)
+	st, err := snapshot.Verify(writeFile(t, good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Revision != 7 || st.TotalKey != 2 || st.Version != "3.6.0" || st.TotalSize == 0 || st.TotalSize > int64(len(good)-32) || len(st.SHA256) != 64 {
+		t.Fatalf("status %+v", st)
+	}
+
+	flipped := bytes.Clone(good)
+	flipped[len(flipped)/2] ^= 0xff
+	junk := bytes.Repeat([]byte{1}, 4096)
+	sum := sha256.Sum256(junk)
+	for name, c := range map[string]struct {
+		b    []byte
+		want string
+	}{
+		"truncated": {good[:len(good)-1], "not an etcd snapshot with its SHA-256"},
+		"corrupted": {flipped, "SHA-256 mismatch"},
+		"not bbolt": {append(junk, sum[:]...), "not a bbolt database"},
+	} {
+		_, err := snapshot.Verify(writeFile(t, c.b))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: want %q, got %v", name, c.want, err)
+		}
+	}
+
+	etcdutl := filepath.Join(os.Getenv("KUBEBUILDER_ASSETS"), "etcdutl")
+	if _, err := os.Stat(etcdutl); err != nil {
+		t.Log("no etcdutl in KUBEBUILDER_ASSETS: not compared with etcdutl")
+		return
+	}
+	out, err := exec.Command(etcdutl, "snapshot", "status", "-w", "json", writeFile(t, good)).Output()
+	if err != nil {
+		t.Fatalf("etcdutl: %v", err)
+	}
+	var want struct {
+		Hash      uint32 `json:"hash"`
+		Revision  int64  `json:"revision"`
+		TotalKey  int    `json:"totalKey"`
+		TotalSize int64  `json:"totalSize"`
+		Version   string `json:"version"`
+	}
+	if err := json.Unmarshal(out, &want); err != nil {
+		t.Fatalf("etcdutl said %s: %v", out, err)
+	}
+	if st.Hash != want.Hash || st.Revision != want.Revision || st.TotalKey != want.TotalKey || st.TotalSize != want.TotalSize || st.Version != want.Version {
+		t.Fatalf("ours %+v, etcdutl's %+v", st, want)
+	}
+}
+
+func TestParse(t *testing.T) {
+	for raw, want := range map[string]string{
+		"file:///var/backup/s.db": "file  /var/backup/s.db",
+		"s3://backups/etcd/s.db":  "s3 backups etcd/s.db",
+		"file://relative/s.db":    "error: absolute path",
+		"s3://backups":            "error: a bucket and a key",
+		"s3:///key":               "error: a bucket and a key",
+		"http://x/s.db":           "error: file:// or s3://",
+	} {
+		loc, err := snapshot.Parse(raw)
+		got := loc.Scheme + " " + loc.Bucket + " " + loc.Path
+		if err != nil {
+			got = "error: " + err.Error()
+		}
+		if !strings.HasPrefix(want, "error: ") && got != want || strings.HasPrefix(want, "error: ") && !strings.Contains(got, strings.TrimPrefix(want, "error: ")) {
+			t.Errorf("Parse(%q) = %q, want %q", raw, got, want)
+		}
+	}
+}
+
+// TestFetch: a file is read where it is; an S3 object, from a real S3
+// server (gofakes3) with the Secret's credentials and endpoint, is
+// downloaded and verifies; a missing file, key or bucket is ErrNotFound.
+func TestFetch(t *testing.T) {
+	ctx := context.Background()
+	good := makeSnapshot(t, puts)
+	path := writeFile(t, good)
+	l, err := snapshot.Fetch(ctx, snapshot.Location{Scheme: "file", Path: path}, snapshot.Credentials{})
+	if err != nil || l.Path != path {
+		t.Fatalf("file: %v, %v", l, err)
+	}
+	_, err = snapshot.Fetch(ctx, snapshot.Location{Scheme: "file", Path: path + ".missing"}, snapshot.Credentials{})
+	if !errors.Is(err, snapshot.ErrNotFound) {
+		t.Fatalf("missing file: %v", err)
+	}
+
+	backend := s3mem.New()
+	srv := httptest.NewServer(gofakes3.New(backend).Server())
+	defer srv.Close()
+	if err := backend.CreateBucket("backups"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := backend.PutObject("backups", "etcd/s.db", map[string]string{}, bytes.NewReader(good), int64(len(good)), nil); err != nil {
+		t.Fatal(err)
+	}
+	creds, err := snapshot.CredentialsFrom(&corev1.Secret{Data: map[string][]byte{
+		snapshot.KeyAccessKeyID: []byte("ichor"), snapshot.KeySecretAccessKey: []byte("secret"), snapshot.KeyEndpoint: []byte(srv.URL),
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	loc, err := snapshot.Parse("s3://backups/etcd/s.db")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err = snapshot.Fetch(ctx, loc, creds)
+	if err != nil {
+		t.Fatalf("s3: %v", err)
+	}
+	st, err := snapshot.Verify(l.Path)
+	if err != nil || st.Revision != 7 {
+		t.Fatalf("downloaded snapshot: %+v, %v", st, err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(l.Path); !os.IsNotExist(err) {
+		t.Fatalf("the downloaded copy is still there: %v", err)
+	}
+	for _, raw := range []string{"s3://backups/etcd/missing.db", "s3://nobucket/etcd/s.db"} {
+		loc, _ := snapshot.Parse(raw)
+		if _, err := snapshot.Fetch(ctx, loc, creds); !errors.Is(err, snapshot.ErrNotFound) {
+			t.Errorf("%s: want ErrNotFound, got %v", raw, err)
+		}
+	}
+
+	if _, err := snapshot.CredentialsFrom(&corev1.Secret{Data: map[string][]byte{snapshot.KeyAccessKeyID: []byte("x")}}); err == nil || !strings.Contains(err.Error(), "set both") {
+		t.Fatalf("half credentials: %v", err)
+	}
+}
