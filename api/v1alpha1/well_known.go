@@ -109,3 +109,16 @@ func DangerousKind(kind OperationKind, action NodeActionType) bool {
 	}
 	return false
 }
+
+// Afterwards says what an operator must do once an operation of spec has
+// succeeded ("" when nothing): the controller appends it to the message
+// of a succeeded operation, and the plugin shows it.
+func Afterwards(spec TalosOperationSpec) string {
+	if spec.Kind == KindCARotation && (spec.CARotation == nil || spec.CARotation.Talos == nil || *spec.CARotation.Talos) {
+		return "a talosconfig of the old Talos API CA is refused by every machine since the old CA was dropped: " +
+			"take the new one from Secret " + TalosconfigSecret + " in the controller's namespace (`kubectl -n " + DefaultNamespace +
+			" get secret " + TalosconfigSecret + " -o jsonpath='{.data.talosconfig}' | base64 -d > talosconfig`), " +
+			"or mint your own with it from a control plane (`talosctl --talosconfig talosconfig -n <control plane> config new --roles os:admin my-talosconfig`)"
+	}
+	return ""
+}

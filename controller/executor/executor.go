@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	clientconfig "github.com/siderolabs/talos/pkg/machinery/client/config"
 
 	"maesh.dev/ichor/api/compat"
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -112,8 +113,12 @@ type Env struct {
 	// ControlPlanes are the Talos addresses of every control plane.
 	ControlPlanes []string
 	Talos         *talosclient.Client
-	Kube          client.Client
-	Clientset     kubernetes.Interface
+	// Dial builds a Talos client of other credentials than the Secret's
+	// (the caller closes it), dialled as the Secret's is: a CA rotation
+	// proves new credentials on every machine before the Secret holds them.
+	Dial      func(ctx context.Context, cfg *clientconfig.Config) (*talosclient.Client, error)
+	Kube      client.Client
+	Clientset kubernetes.Interface
 	// Identity is the operation's lock identity (it marks the cordons it makes).
 	Identity string
 	Log      logr.Logger
@@ -217,6 +222,7 @@ func Default() Registry {
 		ichorv1.KindIchor:      IchorUpgrade{},
 		ichorv1.KindConfig:     NewConfigRollout(),
 		ichorv1.KindNode:       NodeAction{},
+		ichorv1.KindCARotation: CARotation{},
 	}
 }
 

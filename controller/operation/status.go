@@ -88,6 +88,9 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		if left != "" {
 			msg += ", " + left + ": " + plan.LeftOut(ms)
 		}
+		if after := ichorv1.Afterwards(op.Spec); after != "" {
+			msg += "; afterwards: " + after
+		}
 		return ichorv1.PhaseSucceeded, "Succeeded", msg
 	case op.StepFailed():
 		msg := failureMessage(st)

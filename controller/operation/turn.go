@@ -236,5 +236,8 @@ func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
 	if t.talos != nil {
 		e.Talos = t.talos.Client
 	}
+	if t.r.Talos != nil {
+		e.Dial = t.r.Talos.Dial
+	}
 	return e
 }

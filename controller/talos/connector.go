@@ -145,6 +145,13 @@ func (c *Connector) newClient(ctx context.Context, data []byte) (*talosclient.Cl
 	if err != nil {
 		return nil, fmt.Errorf("not a talosconfig: %w", err)
 	}
+	return c.Dial(ctx, cfg)
+}
+
+// Dial builds a Talos client of other credentials than the Secret's, with
+// the Connector's dial options: a CA rotation proves credentials on every
+// machine before the Secret holds them. The caller closes it.
+func (c *Connector) Dial(ctx context.Context, cfg *clientconfig.Config) (*talosclient.Client, error) {
 	opts := []talosclient.OptionFunc{talosclient.WithConfig(cfg)}
 	if len(c.DialOptions) > 0 {
 		opts = append(opts, talosclient.WithGRPCDialOptions(c.DialOptions...))
