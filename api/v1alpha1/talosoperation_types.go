@@ -326,10 +326,12 @@ type EtcdRestore struct {
 	// +kubebuilder:validation:MaxLength=253
 	// +optional
 	Machine string `json:"machine,omitempty"`
-	// Secret names a Secret in the operation's namespace with the credentials
+	// Secret names a Secret in the controller's namespace with the credentials
 	// of an s3:// snapshot: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and
 	// optionally AWS_SESSION_TOKEN, AWS_REGION and AWS_ENDPOINT_URL (an
-	// S3-compatible server). Without it the object is read anonymously.
+	// S3-compatible server). Without it the object is read anonymously. The
+	// controller may read ichor-etcd-snapshot (the Role
+	// ichor-controller-etcd-restore); another name must be added there.
 	// +kubebuilder:validation:MaxLength=253
 	// +optional
 	Secret string `json:"secret,omitempty"`

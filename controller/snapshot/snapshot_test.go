@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"net/http/httptest"
@@ -16,73 +15,11 @@ import (
 
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
-	bolt "go.etcd.io/bbolt"
-	"go.etcd.io/etcd/api/v3/mvccpb"
-	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 
 	"maesh.dev/ichor/controller/snapshot"
+	"maesh.dev/ichor/controller/snapshot/snapshottest"
 )
-
-// put is one write in a fake store: key at revision, or its deletion.
-type put struct {
-	rev     int64
-	key     string
-	deleted bool
-}
-
-// makeSnapshot writes a bbolt file laid out as etcd's backend (bucket
-// "key" keyed by revision, bucket "meta" with the storage version) and
-// appends its SHA-256 as etcd's snapshot stream does.
-func makeSnapshot(t *testing.T, puts []put) []byte {
-	t.Helper()
-	path := filepath.Join(t.TempDir(), "db")
-	db, err := bolt.Open(path, 0o600, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		meta, err := tx.CreateBucket([]byte("meta"))
-		if err != nil {
-			return err
-		}
-		if err := meta.Put([]byte("storageVersion"), []byte("3.6.0")); err != nil {
-			return err
-		}
-		kb, err := tx.CreateBucket([]byte("key"))
-		if err != nil {
-			return err
-		}
-		for _, p := range puts {
-			k := make([]byte, 17, 18)
-			binary.BigEndian.PutUint64(k, uint64(p.rev))
-			k[8] = '_'
-			if p.deleted {
-				k = append(k, 't')
-			}
-			v, err := proto.Marshal(&mvccpb.KeyValue{Key: []byte(p.key), ModRevision: p.rev, Value: []byte("v")})
-			if err != nil {
-				return err
-			}
-			if err := kb.Put(k, v); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := db.Close(); err != nil {
-		t.Fatal(err)
-	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sum := sha256.Sum256(b)
-	return append(b, sum[:]...)
-}
 
 func writeFile(t *testing.T, b []byte) string {
 	t.Helper()
@@ -93,13 +30,13 @@ func writeFile(t *testing.T, b []byte) string {
 	return path
 }
 
-var puts = []put{{2, "/registry/a", false}, {3, "/registry/b", false}, {4, "/registry/a", true}, {7, "/registry/c", false}}
+var puts = []snapshottest.Put{{Rev: 2, Key: "/registry/a"}, {Rev: 3, Key: "/registry/b"}, {Rev: 4, Key: "/registry/a", Deleted: true}, {Rev: 7, Key: "/registry/c"}}
 
 // TestVerify: a good snapshot's status; one cut short, one corrupted and
 // one that is not a bbolt file each refused with what was found. Where the
 // envtest assets have etcdutl, its snapshot status must agree.
 func TestVerify(t *testing.T) {
-	good := makeSnapshot(t, puts)
+	good := snapshottest.Make(t, puts...)
 	st, err := snapshot.Verify(writeFile(t, good))
 	if err != nil {
 		t.Fatal(err)
@@ -175,7 +112,7 @@ func TestParse(t *testing.T) {
 // downloaded and verifies; a missing file, key or bucket is ErrNotFound.
 func TestFetch(t *testing.T) {
 	ctx := context.Background()
-	good := makeSnapshot(t, puts)
+	good := snapshottest.Make(t, puts...)
 	path := writeFile(t, good)
 	l, err := snapshot.Fetch(ctx, snapshot.Location{Scheme: "file", Path: path}, snapshot.Credentials{})
 	if err != nil || l.Path != path {

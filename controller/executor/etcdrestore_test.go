@@ -1,0 +1,251 @@
+package executor_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr/testr"
+	"github.com/johannesboyne/gofakes3"
+	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	. "maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/snapshot/snapshottest"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// TestEtcdRestoreSteps drives the etcd-restore executor's steps on their
+// own against a hosted fleet of three control planes (a real etcd behind
+// real API servers): the preflight refuses a snapshot that is missing,
+// corrupted or newer than the store (but for override); a snapshot taken
+// before three ConfigMaps were created is restored, the three are gone,
+// every control plane is a healthy member; a rerun of the irreversible
+// steps after an earlier run made their call makes none.
+func TestEtcdRestoreSteps(t *testing.T) {
+	if os.Getenv("KUBEBUILDER_ASSETS") == "" {
+		t.Skip("needs KUBEBUILDER_ASSETS (a hosted fleet runs etcd and kube-apiserver)")
+	}
+	t.Setenv("TMPDIR", t.TempDir()) // where the controller keeps downloaded snapshots
+	f, kenv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 0), testenv.Components{})
+	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(f.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	cps := f.ControlPlanes()
+	kc := kenv.Kube
+	createConfigMaps(t, kc, "before")
+	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
+	takeSnapshot(t, tc, cps[0], snap)
+	createConfigMaps(t, kc, "after0", "after1", "after2")
+
+	var addrs []string
+	for _, cp := range cps {
+		addrs = append(addrs, cp.Address())
+	}
+	rec := cps[1] // not the first: the named machine recovers
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{UID: types.UID("restore-test")}, Spec: ichorv1.TalosOperationSpec{
+		Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()},
+	}}
+	env := func(op *ichorv1.TalosOperation) *Env {
+		return &Env{Op: op, Controller: Controller{Namespace: "ichor-system"}, Machine: ichorv1.MachineStatus{Name: rec.Name(), Role: ichorv1.RoleControlPlane},
+			Address: rec.Address(), ControlPlanes: addrs, Talos: tc, Kube: kenv.Client, Live: kenv.Client, Clientset: kc, Log: testr.New(t)}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+
+	// Preflight: what it finds, said.
+	corrupt := filepath.Join(t.TempDir(), "corrupt.snapshot")
+	b, _ := os.ReadFile(snap)
+	b[len(b)/2] ^= 0xff
+	_ = os.WriteFile(corrupt, b, 0o600)
+	future := snapshottest.File(t, snapshottest.Put{Rev: 1 << 40, Key: "/registry/x"})
+	for _, c := range []struct{ url, want string }{
+		{"file://" + snap + ".missing", "snapshot not found: no file"},
+		{"file://" + corrupt, "does not verify: SHA-256 mismatch"},
+		{"file://" + future, "is at revision 1099511627776, newer than the running store's"},
+	} {
+		o := op.DeepCopy()
+		o.Spec.EtcdRestore.Snapshot = c.url
+		if got := (EtcdRestore{}).Check(ctx, env(o)); len(got) != 1 || !strings.Contains(got[0], c.want) {
+			t.Errorf("Check(%s) = %q, want %q", c.url, got, c.want)
+		}
+	}
+	o := op.DeepCopy()
+	o.Spec.EtcdRestore.Snapshot, o.Spec.Override = "file://"+future, true
+	if got := (EtcdRestore{}).Check(ctx, env(o)); len(got) != 0 {
+		t.Errorf("with override: %q", got)
+	}
+	if got := (EtcdRestore{}).Check(ctx, env(op)); len(got) != 0 {
+		t.Fatalf("Check refuses the good snapshot: %q", got)
+	}
+	checkS3(t, ctx, kc, snap, env)
+
+	// The flow, each step's outcome recorded as the driver records it.
+	e := env(op)
+	for _, s := range (EtcdRestore{}).Steps(op, &e.Machine) {
+		e.Machine.Step, e.Machine.Calls = s.Name, 0
+		if s.Irreversible {
+			e.Machine.Calls = 1
+		}
+		out := runStep(t, ctx, s, e)
+		t.Logf("%s: %s", s.Name, out.Message)
+	}
+	if !strings.HasPrefix(e.Machine.To, "revision ") || e.Machine.From == e.Machine.To {
+		t.Fatalf("revisions recorded: from %q to %q", e.Machine.From, e.Machine.To)
+	}
+	if got, err := configMaps(kc); err != nil || got != "before" {
+		t.Fatalf("after the restore the ConfigMaps are %q (%v), want only the one from before the snapshot", got, err)
+	}
+	st := f.Etcd()
+	if len(st.Members) != 3 || st.Leader != rec.Name() {
+		t.Fatalf("etcd after the restore: %+v", st)
+	}
+
+	// Reruns after the call was made: no reset, no second bootstrap.
+	boots := map[string]string{}
+	for _, cp := range cps {
+		boots[cp.Name()] = cp.BootID()
+	}
+	for _, name := range []string{StepLeaveOthers, StepResetAll, StepRecover} {
+		s := stepNamed(t, e, name)
+		e.Machine.Calls = 2
+		runStep(t, ctx, s, e)
+	}
+	for _, cp := range cps {
+		if cp.BootID() != boots[cp.Name()] {
+			t.Errorf("a rerun of the reset reset %s again", cp.Name())
+		}
+	}
+}
+
+func stepNamed(t *testing.T, e *Env, name string) Step {
+	for _, s := range (EtcdRestore{}).Steps(e.Op, &e.Machine) {
+		if s.Name == name {
+			return s
+		}
+	}
+	t.Fatalf("no step %s", name)
+	return Step{}
+}
+
+// runStep runs a Run step within its timeout and records its outcome on
+// the machine, as the driver does.
+func runStep(t *testing.T, ctx context.Context, s Step, e *Env) Outcome {
+	t.Helper()
+	sctx, cancel := context.WithTimeout(ctx, s.Timeout)
+	defer cancel()
+	out, err := s.Run(sctx, e)
+	if err != nil {
+		t.Fatalf("step %s: %v", s.Name, err)
+	}
+	if out.BootID != "" {
+		e.Machine.BootID = out.BootID
+	}
+	if out.From != "" {
+		e.Machine.From = out.From
+	}
+	if out.To != "" {
+		e.Machine.To = out.To
+	}
+	e.Machine.Message = out.Message
+	return out
+}
+
+func takeSnapshot(t *testing.T, c *talosclient.Client, m *sim.Machine, path string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, m.Address()), &machine.EtcdSnapshotRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	var buf bytes.Buffer
+	if _, err := io.Copy(&buf, rc); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, buf.Bytes(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func createConfigMaps(t *testing.T, kc kubernetes.Interface, names ...string) {
+	t.Helper()
+	for _, name := range names {
+		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if _, err := kc.CoreV1().ConfigMaps("default").Create(context.Background(), cm, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create ConfigMap %s: %v", name, err)
+		}
+	}
+}
+
+func configMaps(kc kubernetes.Interface) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	l, err := kc.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "", err
+	}
+	var names []string
+	for _, cm := range l.Items {
+		if cm.Name != "kube-root-ca.crt" {
+			names = append(names, cm.Name)
+		}
+	}
+	sort.Strings(names)
+	return strings.Join(names, ","), nil
+}
+
+// checkS3: the same snapshot in a real S3 server (gofakes3), read with the
+// credentials of the Secret the operation names, passes the check; a key
+// that is not there is refused, saying so.
+func checkS3(t *testing.T, ctx context.Context, kc kubernetes.Interface, snap string, env func(*ichorv1.TalosOperation) *Env) {
+	t.Helper()
+	backend := s3mem.New()
+	srv := httptest.NewServer(gofakes3.New(backend).Server())
+	t.Cleanup(srv.Close)
+	b, err := os.ReadFile(snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := backend.CreateBucket("backups"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := backend.PutObject("backups", "etcd.snapshot", map[string]string{}, bytes.NewReader(b), int64(len(b)), nil); err != nil {
+		t.Fatal(err)
+	}
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "ichor-system"}}
+	if _, err := kc.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	sec := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: "ichor-system", Name: "ichor-etcd-snapshot"}, Data: map[string][]byte{
+		"AWS_ACCESS_KEY_ID": []byte("ichor"), "AWS_SECRET_ACCESS_KEY": []byte("secret"), "AWS_ENDPOINT_URL": []byte(srv.URL)}}
+	if _, err := kc.CoreV1().Secrets("ichor-system").Create(ctx, sec, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for key, want := range map[string]string{"etcd.snapshot": "", "missing.snapshot": `snapshot not found: no object "missing.snapshot" in bucket backups`} {
+		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{UID: types.UID("s3-" + key)}, Spec: ichorv1.TalosOperationSpec{
+			Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "s3://backups/" + key, Secret: "ichor-etcd-snapshot"}}}
+		got := (EtcdRestore{}).Check(ctx, env(op))
+		if want == "" && len(got) != 0 || want != "" && (len(got) != 1 || !strings.Contains(got[0], want)) {
+			t.Errorf("Check(s3://backups/%s) = %q, want %q", key, got, want)
+		}
+	}
+}
