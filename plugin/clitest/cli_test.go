@@ -148,8 +148,8 @@ func TestCreateEachKind(t *testing.T) {
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindCARotation, MaxUnavailable: 1, CARotation: &ichorv1.CARotation{Talos: ptr.To(false), Kubernetes: ptr.To(true)}}},
 		{"rotate-keys", []string{"rotate", "keys", "-y"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindKeyRotation, MaxUnavailable: 1, KeyRotation: &ichorv1.KeyRotation{ServiceAccount: ptr.To(true), Secretbox: ptr.To(true)}}},
-		{"restore-etcd", []string{"restore", "etcd", "--snapshot", "s3://backups/etcd.snapshot", "-y"},
-			ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "s3://backups/etcd.snapshot"}}},
+		{"restore-etcd", []string{"restore", "etcd", "--from", "s3://backups/etcd.snapshot", "--secret", "ichor-etcd-snapshot", "--machine", "cp-1", "-y"},
+			ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "s3://backups/etcd.snapshot", Secret: "ichor-etcd-snapshot", Machine: "cp-1"}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -225,7 +225,7 @@ func TestCreateRefusesBadInput(t *testing.T) {
 		{[]string{"shutdown"}, "error: this shuts down every machine of the cluster; confirm with --yes (-y), as there is no terminal to ask on\n"},
 		{[]string{"node", "reset", "worker-1"}, ""},
 		{[]string{"node", "restart-service", "worker-1"}, "error: --service is required: name the service to restart, like kubelet\nSee 'kubectl ichor node restart-service -h' for help and examples\n"},
-		{[]string{"restore", "etcd", "--snapshot", "http://example/x", "-y"}, `re:^The TalosOperation "restore-etcd-\w+" is invalid: spec.etcdRestore.snapshot: Invalid value: "http://example/x": must be a file:// or s3:// URL\n$`},
+		{[]string{"restore", "etcd", "--from", "http://example/x", "-y"}, `re:^The TalosOperation "restore-etcd-\w+" is invalid: spec.etcdRestore.snapshot: Invalid value: "http://example/x": must be a file:// or s3:// URL\n$`},
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "--watch", "--dry-run=server"}, "error: --watch and --wait follow a real operation: they cannot be used with --dry-run\nSee 'kubectl ichor upgrade talos -h' for help and examples\n"},
 		{[]string{"config", "apply"}, "error: -f is required: give a machine-config patch file (YAML strategic merge or RFC 6902 JSON patch), or - for standard input\nSee 'kubectl ichor config apply -h' for help and examples\n"},
 		{[]string{"config", "apply", "-f", "/nonexistent/patch.yaml"}, "error: read patch /nonexistent/patch.yaml: open /nonexistent/patch.yaml: no such file or directory\n"},

@@ -589,28 +589,31 @@ func newRestoreCmd(e *Env) *cobra.Command {
 		Use:   "restore",
 		Short: "Rewind the cluster to a stored etcd snapshot",
 	}
-	var snapshot, machine string
+	var from, machine, secret string
 	o := &createOptions{generateName: "restore-etcd-", kind: ichorv1.KindEtcdRestore}
 	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
-		if snapshot == "" {
-			return usageErrorf("--snapshot is required: give a file:// or s3:// URL")
+		if from == "" {
+			return usageErrorf("--from is required: give a file:// or s3:// URL")
 		}
-		s.EtcdRestore = &ichorv1.EtcdRestore{Snapshot: snapshot, Machine: machine}
+		s.EtcdRestore = &ichorv1.EtcdRestore{Snapshot: from, Machine: machine, Secret: secret}
 		return nil
 	}
 	o.danger = func(s *ichorv1.TalosOperationSpec) string {
 		return fmt.Sprintf("This rewinds the whole cluster to the etcd snapshot %s: everything written since is lost.", s.EtcdRestore.Snapshot)
 	}
 	etcd := &cobra.Command{
-		Use:     "etcd --snapshot URL",
-		Short:   "Restore etcd from a snapshot (file:// or s3://)",
-		Example: fmt.Sprintf("  %[1]s restore etcd --snapshot s3://backups/etcd/2026-08-22.snapshot", e.Name),
-		Args:    cobra.NoArgs,
+		Use:   "etcd --from URL [--machine M] [--secret S]",
+		Short: "Restore etcd from a snapshot (file:// or s3://)",
+		Example: fmt.Sprintf("  %[1]s restore etcd --from file:///var/lib/etcd-backup/etcd.snapshot\n"+
+			"  %[1]s restore etcd --from s3://backups/etcd/2026-08-22.snapshot --secret ichor-etcd-snapshot", e.Name),
+		Args: cobra.NoArgs,
 	}
 	cmd.AddCommand(newCreateCmd(e, o, etcd, func(c *cobra.Command) {
-		c.Flags().StringVar(&snapshot, "snapshot", "", "URL of the etcd snapshot: file:// or s3://")
+		c.Flags().StringVar(&from, "from", "", "URL of the etcd snapshot: file:// (a path the controller reads) or s3://bucket/key")
+		c.Flags().StringVar(&from, "snapshot", "", "Same as --from")
+		_ = c.Flags().MarkDeprecated("snapshot", "use --from")
 		c.Flags().StringVar(&machine, "machine", "", "Control plane that recovers etcd (default: the first one)")
-		_ = c.MarkFlagRequired("snapshot")
+		c.Flags().StringVar(&secret, "secret", "", "Secret in the controller's namespace with the S3 credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL)")
 		_ = c.RegisterFlagCompletionFunc("machine", e.completeNodes)
 	}))
 	return cmd

@@ -113,7 +113,7 @@ func scenarios() map[string]*ichorv1.TalosOperation {
 		Message:   ichorv1.RefusedSummary([]string{ichorv1.CheckKindSupported}),
 		StartTime: ago(time.Minute), CompletionTime: ago(50 * time.Second),
 		Conditions: []metav1.Condition{
-			{Type: ichorv1.CheckKindSupported, Status: metav1.ConditionFalse, Reason: "PreflightFailed", Message: ichorv1.KindNotCarriedOut(ichorv1.KindEtcdRestore, []ichorv1.OperationKind{ichorv1.KindTalos, ichorv1.KindNode})},
+			{Type: ichorv1.CheckKindSupported, Status: metav1.ConditionFalse, Reason: "PreflightFailed", Message: ichorv1.KindNotCarriedOut(ichorv1.KindKeyRotation, []ichorv1.OperationKind{ichorv1.KindTalos, ichorv1.KindNode})},
 		},
 	}
 	s["refused-kind"] = kind
