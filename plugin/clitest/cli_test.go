@@ -146,6 +146,8 @@ func TestCreateEachKind(t *testing.T) {
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, MaxUnavailable: 1, Shutdown: &ichorv1.ClusterShutdown{Force: true}}},
 		{"rotate-ca", []string{"rotate", "ca", "--kubernetes", "-y"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindCARotation, MaxUnavailable: 1, CARotation: &ichorv1.CARotation{Talos: ptr.To(false), Kubernetes: ptr.To(true)}}},
+		{"rotate-ca-talos", []string{"rotate", "ca", "--talos", "-y"},
+			ichorv1.TalosOperationSpec{Kind: ichorv1.KindCARotation, MaxUnavailable: 1, CARotation: &ichorv1.CARotation{Talos: ptr.To(true), Kubernetes: ptr.To(false)}}},
 		{"rotate-keys", []string{"rotate", "keys", "-y"},
 			ichorv1.TalosOperationSpec{Kind: ichorv1.KindKeyRotation, MaxUnavailable: 1, KeyRotation: &ichorv1.KeyRotation{ServiceAccount: ptr.To(true), Secretbox: ptr.To(true)}}},
 		{"restore-etcd", []string{"restore", "etcd", "--from", "s3://backups/etcd.snapshot", "--secret", "ichor-etcd-snapshot", "--machine", "cp-1", "-y"},
@@ -223,6 +225,7 @@ func TestCreateRefusesBadInput(t *testing.T) {
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "--max-unavailable", "0"}, "error: --max-unavailable must be at least 1, not 0\nSee 'kubectl ichor upgrade talos -h' for help and examples\n"},
 		{[]string{"upgrade", "talos", "--to", "v1.13.7", "-l", "zone in (a"}, ""},
 		{[]string{"shutdown"}, "error: this shuts down every machine of the cluster; confirm with --yes (-y), as there is no terminal to ask on\n"},
+		{[]string{"rotate", "ca", "--talos"}, `re:^error: this replaces the cluster CAs \(Talos\): every client certificate issued by the old CAs stops working\. Afterwards, a talosconfig of the old Talos API CA is refused by every machine .*Secret ichor-talosconfig.*; confirm with --yes \(-y\), as there is no terminal to ask on\n$`},
 		{[]string{"node", "reset", "worker-1"}, ""},
 		{[]string{"node", "restart-service", "worker-1"}, "error: --service is required: name the service to restart, like kubelet\nSee 'kubectl ichor node restart-service -h' for help and examples\n"},
 		{[]string{"restore", "etcd", "--from", "http://example/x", "-y"}, `re:^The TalosOperation "restore-etcd-\w+" is invalid: spec.etcdRestore.snapshot: Invalid value: "http://example/x": must be a file:// or s3:// URL\n$`},
@@ -871,5 +874,21 @@ func TestWatchOnATerminal(t *testing.T) {
 	}
 	if got := getOp(t, ns, "long-one"); got.DeletionTimestamp != nil || got.Spec.Paused {
 		t.Errorf("stopping the watch touched the operation: %+v", got.ObjectMeta)
+	}
+}
+
+// TestDescribeSaysWhatToDoAfterwards: describe of a Talos CA rotation that
+// has not succeeded yet says what the operator must do once it has (take
+// the new talosconfig); a reboot says nothing of the kind.
+func TestDescribeSaysWhatToDoAfterwards(t *testing.T) {
+	ns := env.Namespace(t)
+	ok(t, "ichor", "-n", ns, "rotate", "ca", "--talos", "-y", "--name", "rot")
+	out := ok(t, "ichor", "-n", ns, "operation", "describe", "rot")
+	if !strings.Contains(out, "Afterwards:  a talosconfig of the old Talos API CA is refused by every machine since the old CA was dropped: take the new one from Secret ichor-talosconfig") {
+		t.Errorf("describe of a Talos CA rotation does not say what to do afterwards:\n%s", out)
+	}
+	ok(t, "ichor", "-n", ns, "upgrade", "talos", "--to", "v1.13.7", "--name", "up")
+	if out := ok(t, "ichor", "-n", ns, "operation", "describe", "up"); strings.Contains(out, "Afterwards:") {
+		t.Errorf("describe of an upgrade says something to do afterwards:\n%s", out)
 	}
 }

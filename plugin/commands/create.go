@@ -530,16 +530,28 @@ func newRotateCACmd(e *Env) *cobra.Command {
 		return nil
 	}
 	o.danger = func(s *ichorv1.TalosOperationSpec) string {
-		return "This replaces the cluster CAs (" + caList(s.CARotation) + "): every client certificate issued by the old CAs stops working."
+		msg := "This replaces the cluster CAs (" + caList(s.CARotation) + "): every client certificate issued by the old CAs stops working."
+		if after := ichorv1.Afterwards(*s); after != "" {
+			msg += " Afterwards, " + after + "."
+		}
+		return msg
 	}
 	cmd := &cobra.Command{
 		Use:   "ca [--talos] [--kubernetes]",
 		Short: "Replace the Talos API CA, the Kubernetes API CA, or both",
-		Example: fmt.Sprintf(`  # Rotate both CAs
-  %[1]s rotate ca
+		Long: `Replace the Talos API CA, the Kubernetes API CA, or both (neither flag: both).
 
-  # Only the Kubernetes CA
-  %[1]s rotate ca --kubernetes`, e.Name),
+The Talos API CA is rotated as talosctl rotate-ca does, in stages over every
+machine: the new CA accepted, then issuing (the old one still accepted), then
+the old one dropped, each checked on every machine; ichor-controller keeps its
+own access throughout. Once the old CA is dropped, a talosconfig of the old CA
+(yours too) is refused: take the new one from Secret ichor-talosconfig.
+Rotating the Kubernetes CA is not carried out yet: use --talos.`,
+		Example: fmt.Sprintf(`  # Rotate the Talos API CA
+  %[1]s rotate ca --talos
+
+  # Both CAs (the Kubernetes CA is refused by this controller for now)
+  %[1]s rotate ca`, e.Name),
 		Args: cobra.NoArgs,
 	}
 	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {

@@ -94,6 +94,11 @@ func (e *Env) describe(ctx context.Context, c client.Reader, op *ichorv1.TalosOp
 	field("Phase", phase)
 	field("Failure", view.Clean(st.FailureReason))
 	field("Message", view.Clean(st.Message))
+	// What the operator must do once it succeeds (a succeeded one's
+	// message says it).
+	if st.Phase != ichorv1.PhaseSucceeded {
+		field("Afterwards", ichorv1.Afterwards(op.Spec))
+	}
 	field("Stage", view.Clean(st.Stage))
 	field("Progress", view.Clean(st.Progress))
 	field("Current", view.Clean(st.Current))
