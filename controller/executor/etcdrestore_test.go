@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	. "maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/snapshot/snapshottest"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
@@ -63,8 +63,8 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{UID: types.UID("restore-test")}, Spec: ichorv1.TalosOperationSpec{
 		Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()},
 	}}
-	env := func(op *ichorv1.TalosOperation) *Env {
-		return &Env{Op: op, Controller: Controller{Namespace: "ichor-system"}, Machine: ichorv1.MachineStatus{Name: rec.Name(), Role: ichorv1.RoleControlPlane},
+	env := func(op *ichorv1.TalosOperation) *executor.Env {
+		return &executor.Env{Op: op, Controller: executor.Controller{Namespace: "ichor-system"}, Machine: ichorv1.MachineStatus{Name: rec.Name(), Role: ichorv1.RoleControlPlane},
 			Address: rec.Address(), ControlPlanes: addrs, Talos: tc, Kube: kenv.Client, Live: kenv.Client, Clientset: kc, Log: testr.New(t)}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
@@ -83,23 +83,23 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	} {
 		o := op.DeepCopy()
 		o.Spec.EtcdRestore.Snapshot = c.url
-		if got := (EtcdRestore{}).Check(ctx, env(o)); len(got) != 1 || !strings.Contains(got[0], c.want) {
+		if got := (executor.EtcdRestore{}).Check(ctx, env(o)); len(got) != 1 || !strings.Contains(got[0], c.want) {
 			t.Errorf("Check(%s) = %q, want %q", c.url, got, c.want)
 		}
 	}
 	o := op.DeepCopy()
 	o.Spec.EtcdRestore.Snapshot, o.Spec.Override = "file://"+future, true
-	if got := (EtcdRestore{}).Check(ctx, env(o)); len(got) != 0 {
+	if got := (executor.EtcdRestore{}).Check(ctx, env(o)); len(got) != 0 {
 		t.Errorf("with override: %q", got)
 	}
-	if got := (EtcdRestore{}).Check(ctx, env(op)); len(got) != 0 {
+	if got := (executor.EtcdRestore{}).Check(ctx, env(op)); len(got) != 0 {
 		t.Fatalf("Check refuses the good snapshot: %q", got)
 	}
 	checkS3(t, ctx, kc, snap, env)
 
 	// The flow, each step's outcome recorded as the driver records it.
 	e := env(op)
-	for _, s := range (EtcdRestore{}).Steps(op, &e.Machine) {
+	for _, s := range (executor.EtcdRestore{}).Steps(op, &e.Machine) {
 		e.Machine.Step, e.Machine.Calls = s.Name, 0
 		if s.Irreversible {
 			e.Machine.Calls = 1
@@ -123,7 +123,7 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	for _, cp := range cps {
 		boots[cp.Name()] = cp.BootID()
 	}
-	for _, name := range []string{StepLeaveOthers, StepResetAll, StepRecover} {
+	for _, name := range []string{executor.StepLeaveOthers, executor.StepResetAll, executor.StepRecover} {
 		s := stepNamed(t, e, name)
 		e.Machine.Calls = 2
 		runStep(t, ctx, s, e)
@@ -135,19 +135,19 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	}
 }
 
-func stepNamed(t *testing.T, e *Env, name string) Step {
-	for _, s := range (EtcdRestore{}).Steps(e.Op, &e.Machine) {
+func stepNamed(t *testing.T, e *executor.Env, name string) executor.Step {
+	for _, s := range (executor.EtcdRestore{}).Steps(e.Op, &e.Machine) {
 		if s.Name == name {
 			return s
 		}
 	}
 	t.Fatalf("no step %s", name)
-	return Step{}
+	return executor.Step{}
 }
 
 // runStep runs a Run step within its timeout and records its outcome on
 // the machine, as the driver does.
-func runStep(t *testing.T, ctx context.Context, s Step, e *Env) Outcome {
+func runStep(t *testing.T, ctx context.Context, s executor.Step, e *executor.Env) executor.Outcome {
 	t.Helper()
 	sctx, cancel := context.WithTimeout(ctx, s.Timeout)
 	defer cancel()
@@ -216,7 +216,7 @@ func configMaps(kc kubernetes.Interface) (string, error) {
 // checkS3: the same snapshot in a real S3 server (gofakes3), read with the
 // credentials of the Secret the operation names, passes the check; a key
 // that is not there is refused, saying so.
-func checkS3(t *testing.T, ctx context.Context, kc kubernetes.Interface, snap string, env func(*ichorv1.TalosOperation) *Env) {
+func checkS3(t *testing.T, ctx context.Context, kc kubernetes.Interface, snap string, env func(*ichorv1.TalosOperation) *executor.Env) {
 	t.Helper()
 	backend := s3mem.New()
 	srv := httptest.NewServer(gofakes3.New(backend).Server())
@@ -243,9 +243,46 @@ func checkS3(t *testing.T, ctx context.Context, kc kubernetes.Interface, snap st
 	for key, want := range map[string]string{"etcd.snapshot": "", "missing.snapshot": `snapshot not found: no object "missing.snapshot" in bucket backups`} {
 		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{UID: types.UID("s3-" + key)}, Spec: ichorv1.TalosOperationSpec{
 			Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "s3://backups/" + key, Secret: "ichor-etcd-snapshot"}}}
-		got := (EtcdRestore{}).Check(ctx, env(op))
+		got := (executor.EtcdRestore{}).Check(ctx, env(op))
 		if want == "" && len(got) != 0 || want != "" && (len(got) != 1 || !strings.Contains(got[0], want)) {
 			t.Errorf("Check(s3://backups/%s) = %q, want %q", key, got, want)
 		}
+	}
+}
+
+// TestEtcdRestoreScope: the recovering machine is the named control plane,
+// or the first by name; a worker or a machine that is not a Node is refused.
+func TestEtcdRestoreScope(t *testing.T) {
+	node := func(name string, cp bool) corev1.Node {
+		n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
+		if cp {
+			n.Labels[ichorv1.ControlPlaneLabel] = ""
+		}
+		return n
+	}
+	nodes := []corev1.Node{node("w-1", false), node("cp-2", true), node("cp-1", true), node("cp-3", true)}
+	for machine, want := range map[string]string{
+		"":      "cp-1",
+		"cp-3":  "cp-3",
+		"w-1":   "error: w-1 is a worker",
+		"cp-9":  "error: machine cp-9 is not a Node",
+		"cp-2 ": "error: not a Node",
+	} {
+		op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore,
+			EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file:///s.db", Machine: machine}}}
+		got, err := executor.EtcdRestore{}.Scope(op, nodes)
+		res := ""
+		if err != nil {
+			res = "error: " + err.Error()
+		} else if len(got) == 1 {
+			res = got[0].Name
+		}
+		if !strings.HasPrefix(want, "error: ") && res != want || strings.HasPrefix(want, "error: ") && !strings.Contains(res, strings.TrimPrefix(want, "error: ")) {
+			t.Errorf("machine %q: %q, want %q", machine, res, want)
+		}
+	}
+	if _, err := (executor.EtcdRestore{}).Scope(&ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{EtcdRestore: &ichorv1.EtcdRestore{}}},
+		[]corev1.Node{node("w-1", false)}); err == nil || !strings.Contains(err.Error(), "no control plane") {
+		t.Errorf("workers only: %v", err)
 	}
 }
