@@ -311,7 +311,18 @@ func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease
 // Acquire takes the lock for the request's holder when it is free, already
 // the holder's, or held by a holder the Judge finds stale, and no waiter
 // queued before it wants it.
+//
+// A holder that this Lock last saw holding the lock (its own take or
+// Confirm, a live read) still holds it without a read: that is the turn of
+// every running operation, and nothing it decides from it disrupts a
+// machine without a Confirm, whose guarded write fails (and reads the Lease
+// again) if anybody else wrote the Lease since.
 func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
+	if seen := l.lastSeen(); seen.lease != nil {
+		if st, err := stateOf(seen.lease); err == nil && st.Holds(req.Holder) {
+			return Result{Acquired: true, AlreadyHeld: true, Holder: req.Holder.Identity, Since: st.Since, Seen: seen}, nil
+		}
+	}
 	lease, err := l.read(ctx, l.live())
 	if err != nil {
 		return Result{}, err
@@ -431,6 +442,7 @@ func (l *Lock) createLease(ctx context.Context, lease *coordinationv1.Lease) err
 	if err != nil {
 		return fmt.Errorf("create cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
 	}
+	l.remember(lease.DeepCopy()) // as the API server answered
 	return nil
 }
 
@@ -479,6 +491,11 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 	now := metav1.NewMicroTime(l.now())
 	lease.Spec.RenewTime = &now
 	err := l.Client.Update(ctx, lease)
+	if err != nil {
+		// What this Lock saw is not the Lease any more (written since, or
+		// gone): the next Acquire reads it again.
+		l.remember(nil)
+	}
 	if apierrors.IsConflict(err) {
 		return ErrConflict
 	}

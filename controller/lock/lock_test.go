@@ -351,6 +351,57 @@ func TestConfirmSeenWritesWithoutReading(t *testing.T) {
 	}
 }
 
+// TestHolderAcquiresFromWhatItSaw: a holder that this Lock saw holding
+// the lock acquires it again without reading the Lease (every running
+// operation's turn does), and what it saw never lets it disrupt after
+// somebody else wrote the Lease: a takeover by another controller's Lock
+// makes its Confirm refuse and its next Acquire see the new holder; a
+// Lease deleted under it is taken again.
+func TestHolderAcquiresFromWhatItSaw(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	live := &countingReader{Reader: env.Client}
+	l := newLock(w.ns)
+	l.Live = live
+	aOp := w.op("a", running)
+	a, b := holds(aOp), holds(w.op("b", running))
+	mustAcquire(t, l, a)
+	before := live.reads
+	if res := mustAcquire(t, l, a); !res.AlreadyHeld {
+		t.Fatalf("acquire again by the holder: %+v", res)
+	}
+	if n := live.reads - before; n != 0 {
+		t.Errorf("the holder's Acquire read the Lease %d time(s), want none", n)
+	}
+
+	// a ends; another controller's Lock judges it stale and takes over.
+	w.setStatus(aOp, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded})
+	if res := mustAcquire(t, newLock(w.ns), b); res.TookOver == "" {
+		t.Fatalf("b took a finished holder's lock without a takeover: %+v", res)
+	}
+	var notHeld *lock.NotHeldError
+	if err := l.Confirm(ctx, a); !errors.As(err, &notHeld) || notHeld.Holder != b.Identity {
+		t.Fatalf("a's Confirm after b's takeover: %v, want b holds it", err)
+	}
+	if res, err := l.Acquire(ctx, lock.Request{Holder: a}); err != nil || res.Acquired || res.Holder != b.Identity {
+		t.Fatalf("a's Acquire after its Confirm was refused: %+v %v, want b holds it", res, err)
+	}
+
+	// The Lease goes while b's Lock saw b holding it.
+	lb := newLock(w.ns)
+	mustAcquire(t, lb, b)
+	lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: ichorv1.LockLeaseName}}
+	if err := env.Client.Delete(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	if err := lb.Confirm(ctx, b); err == nil {
+		t.Fatal("b confirmed a lock whose Lease is gone")
+	}
+	if res := mustAcquire(t, lb, b); res.AlreadyHeld {
+		t.Errorf("b's Acquire after its Lease went: %+v, want it taken anew", res)
+	}
+}
+
 func TestAdoptOldLease(t *testing.T) {
 	ctx := context.Background()
 	w := newWorld(t)
