@@ -41,10 +41,18 @@ const (
 )
 
 // watcher follows the operations of one namespace and says when each
-// condition first held. It counts status writes too.
+// condition first held. It counts status writes too, and sees when each
+// stage of an operation made of stages began.
 type watcher struct {
 	w      watch.Interface
 	writes map[string]int
+	stages []stageSeen
+}
+
+// stageSeen is when a watcher first saw an operation at a stage.
+type stageSeen struct {
+	name string
+	at   time.Time
 }
 
 func watchOps(b testing.TB, ns string) *watcher {
@@ -73,11 +81,15 @@ func (w *watcher) until(b testing.TB, name string, timeout time.Duration, cond f
 			if !ok || op.Name != name {
 				continue
 			}
+			now := time.Now()
 			if ev.Type == watch.Modified {
 				w.writes[name]++
 			}
+			if st := op.Status.Stage; st != "" && (len(w.stages) == 0 || w.stages[len(w.stages)-1].name != st) {
+				w.stages = append(w.stages, stageSeen{st, now})
+			}
 			if cond(op) {
-				return time.Now()
+				return now
 			}
 			last = op
 		case <-deadline:
@@ -312,6 +324,13 @@ func runSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, rea
 		}
 		return op.Succeeded()
 	})
+	for i, st := range w.stages {
+		to := end
+		if i+1 < len(w.stages) {
+			to = w.stages[i+1].at
+		}
+		b.Logf("%s: stage %s took %s", op.Kind, st.name, to.Sub(st.at).Round(time.Millisecond))
+	}
 	steps := machineSteps(c.get("bench"), path)
 	b.ReportMetric(float64(w.writes["bench"])/float64(steps), "writes/step")
 	b.Logf("%s: %d status writes over %d machine steps: %.2f per step (budget %.0f)", op.Kind, w.writes["bench"], steps,
