@@ -131,6 +131,8 @@ type Lock struct {
 	// makes that write conflict, and Confirm reads the Lease again).
 	mu   sync.Mutex
 	last *coordinationv1.Lease
+	// confirms are the Confirms under way, by holder (guarded by mu).
+	confirms map[Holder]*confirms
 }
 
 // remember keeps lease as the last one seen.
@@ -512,9 +514,76 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 // write conflicts with this one); if it took the lock first, Confirm
 // returns a *NotHeldError and nothing may start. The write is made on the
 // Lease as this Lock last saw it, and on a fresh read when that is stale.
+//
+// Confirms of one holder that overlap share their writes, as a group
+// commit does: a Confirm that finds another under way waits for it to end,
+// then one write answers every Confirm that waited (each of them began
+// before that write, so its answer is as fresh as a write of its own).
+// Without that, the machines of a batch that reach their drains together
+// would each write the Lease, conflict with each other, and read it again.
 func (l *Lock) Confirm(ctx context.Context, h Holder) error {
-	return l.ConfirmSeen(ctx, h, l.lastSeen())
+	l.mu.Lock()
+	c := l.confirms[h]
+	if c == nil {
+		if l.confirms == nil {
+			l.confirms = map[Holder]*confirms{}
+		}
+		l.confirms[h] = &confirms{}
+		l.mu.Unlock()
+		err := l.ConfirmSeen(ctx, h, l.lastSeen())
+		go l.confirmWaiters(context.WithoutCancel(ctx), h)
+		return err
+	}
+	if c.next == nil {
+		c.next = &confirmed{done: make(chan struct{})}
+	}
+	next := c.next
+	next.waiting++
+	l.mu.Unlock()
+	select {
+	case <-next.done:
+		return next.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
+
+// confirmWaiters answers, one write for each round, the Confirms of h
+// that waited for the one before, until none waits.
+func (l *Lock) confirmWaiters(ctx context.Context, h Holder) {
+	for {
+		l.mu.Lock()
+		next := l.confirms[h].next
+		if next == nil {
+			delete(l.confirms, h)
+			l.mu.Unlock()
+			return
+		}
+		l.confirms[h].next = nil
+		l.mu.Unlock()
+		wctx, cancel := context.WithTimeout(ctx, confirmTimeout)
+		next.err = l.ConfirmSeen(wctx, h, l.lastSeen())
+		cancel()
+		close(next.done)
+	}
+}
+
+// confirms are the Confirms of one holder: one under way, and the round
+// that waits for it.
+type confirms struct {
+	next *confirmed
+}
+
+// confirmed is the answer to one round of Confirms.
+type confirmed struct {
+	done    chan struct{}
+	err     error
+	waiting int // the Confirms that wait for it
+}
+
+// confirmTimeout bounds a shared Confirm's write, which runs for several
+// callers and so under none of their contexts.
+const confirmTimeout = 30 * time.Second
 
 // ConfirmSeen is Confirm that makes its guarded write on the Lease seen
 // (Acquire's, when h already held the lock) without reading it again: the

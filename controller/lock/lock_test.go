@@ -7,6 +7,7 @@ import (
 	"os"
 	"sync"
 	"testing"
+	"time"
 
 	batchv1 "k8s.io/api/batch/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -399,6 +400,87 @@ func TestHolderAcquiresFromWhatItSaw(t *testing.T) {
 	}
 	if res := mustAcquire(t, lb, b); res.AlreadyHeld {
 		t.Errorf("b's Acquire after its Lease went: %+v, want it taken anew", res)
+	}
+}
+
+// gatedWriter counts the Lease writes, and holds the first one after gate
+// is set until gate closes.
+type gatedWriter struct {
+	client.Client
+	mu      sync.Mutex
+	writes  int
+	gate    chan struct{}
+	entered chan struct{}
+}
+
+func (w *gatedWriter) Update(ctx context.Context, obj client.Object, opts ...client.UpdateOption) error {
+	w.mu.Lock()
+	w.writes++
+	gate, entered := w.gate, w.entered
+	w.gate = nil
+	w.mu.Unlock()
+	if gate != nil {
+		close(entered)
+		<-gate
+	}
+	return w.Client.Update(ctx, obj, opts...)
+}
+
+// TestConfirmsShareWrites: five Confirms of one holder, four of them made
+// while the first one's write is under way, cost two writes of the Lease
+// and no read, and each says the lock is held; after a takeover, Confirms
+// made together each refuse.
+func TestConfirmsShareWrites(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	writer := &gatedWriter{Client: env.Client}
+	live := &countingReader{Reader: env.Client}
+	l := newLock(w.ns)
+	l.Client, l.Live = writer, live
+	aOp := w.op("a", running)
+	a := holds(aOp)
+	mustAcquire(t, l, a)
+	writesBefore, readsBefore := writer.writes, live.reads
+
+	writer.mu.Lock()
+	writer.gate, writer.entered = make(chan struct{}), make(chan struct{})
+	gate, entered := writer.gate, writer.entered
+	writer.mu.Unlock()
+	errs := make(chan error, 5)
+	confirm := func() { errs <- l.Confirm(ctx, a) }
+	go confirm()
+	<-entered // the first Confirm's write is under way
+	for range 4 {
+		go confirm()
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for lock.ConfirmsWaiting(l, a) < 4 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d Confirms wait for the first, want 4", lock.ConfirmsWaiting(l, a))
+		}
+		time.Sleep(time.Millisecond)
+	}
+	close(gate)
+	for range 5 {
+		if err := <-errs; err != nil {
+			t.Errorf("a Confirm of the holder: %v", err)
+		}
+	}
+	if n, r := writer.writes-writesBefore, live.reads-readsBefore; n != 2 || r != 0 {
+		t.Errorf("five Confirms wrote the Lease %d time(s) and read it %d time(s), want 2 and 0", n, r)
+	}
+
+	w.setStatus(aOp, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded})
+	b := holds(w.op("b", running))
+	mustAcquire(t, newLock(w.ns), b)
+	for range 3 {
+		go confirm()
+	}
+	for range 3 {
+		var notHeld *lock.NotHeldError
+		if err := <-errs; !errors.As(err, &notHeld) || notHeld.Holder != b.Identity {
+			t.Errorf("a Confirm after b's takeover: %v, want b holds it", err)
+		}
 	}
 }
 

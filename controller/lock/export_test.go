@@ -1,0 +1,11 @@
+package lock
+
+// ConfirmsWaiting is how many Confirms of h wait for the one under way.
+func ConfirmsWaiting(l *Lock, h Holder) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if c := l.confirms[h]; c != nil && c.next != nil {
+		return c.next.waiting
+	}
+	return 0
+}
