@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/inventory"
 	"maesh.dev/ichor/sim"
 )
@@ -19,8 +20,9 @@ import (
 const controllerSA = "system:serviceaccount:ichor-system:ichor-controller"
 
 // TestControllerRBAC runs the controller as its ServiceAccount with exactly
-// the RBAC of manifests/, through a Talos upgrade that drains a pod and a
-// node action: least privilege is enough. And it reads no other Secret.
+// the RBAC of manifests/, through a Talos upgrade that drains a pod, a Talos
+// CA rotation and a node action: least privilege is enough. And it reads
+// no other Secret.
 func TestControllerRBAC(t *testing.T) {
 	ctx := context.Background()
 	// --force-conflicts: TestIchorUpgradeThroughInstaller applies the same
@@ -45,11 +47,18 @@ func TestControllerRBAC(t *testing.T) {
 	if err := env.Client.Get(ctx, keyOf(c.ns, "app"), &corev1.Pod{}); !notFound(err) {
 		t.Errorf("the pod on %s was not drained: %v", w1, err)
 	}
+	// A Talos CA rotation: its Secret, and ichor-talosconfig replaced.
+	c.create("rotate-ca", caSpec())
+	c.waitSucceeded("rotate-ca", 2*time.Minute)
 
 	checkControllerCan(t, []canI{
 		{[]string{"get", "secrets", "-n", "kube-system"}, "no"},
 		{[]string{"get", "secrets/other", "-n", ichorv1.DefaultNamespace}, "no"},
 		{[]string{"get", "secrets/" + ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"update", "secrets/" + ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"update", "secrets/other", "-n", ichorv1.DefaultNamespace}, "no"},
+		{[]string{"get", "secrets/" + executor.CARotationSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"create", "secrets", "-n", "kube-system"}, "no"},
 		{[]string{"create", "leases", "-n", "kube-system"}, "no"},
 		{[]string{"update", "leases", "-n", ichorv1.DefaultNamespace}, "yes"},
 		{[]string{"delete", "nodes"}, "no"},
