@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	"google.golang.org/grpc/codes"
 	coordinationv1 "k8s.io/api/coordination/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -134,4 +135,45 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 		t.Errorf("watch of a refused shutdown: exit %d, stderr %q", r.code, r.err)
 	}
 	golden(t, "testdata/watch-refused-kind.golden", r.err)
+}
+
+// TestRotateCAEndToEnd: against a real controller and fleet, `kubectl
+// ichor rotate ca` of both CAs is refused (exit 2) saying the Kubernetes CA
+// is not rotated yet, and `rotate ca --talos --wait` exits 0 once the Talos
+// API CA is rotated: describe shows the seven stages done and what to do
+// afterwards, and the fleet's original talosconfig is refused.
+func TestRotateCAEndToEnd(t *testing.T) {
+	ns, ctrlNS, fleet := withController(t)
+	old := fleet.Talosconfig()
+
+	r := kubectl(t, "", "ichor", "rotate", "ca", "-y", "--name", "both", "-n", ns, "--controller-namespace", ctrlNS, "--wait", "--timeout", "1m")
+	if r.code != 2 || !strings.Contains(r.err, "rotating the Kubernetes CA is not carried out yet; set spec.caRotation.kubernetes: false") {
+		t.Errorf("rotate ca of both CAs: exit %d, want 2 saying the Kubernetes CA is not rotated yet\nstdout %s\nstderr %s", r.code, r.out, r.err)
+	}
+	if err := env.Client.Delete(context.Background(), getOp(t, ns, "both")); err != nil {
+		t.Fatal(err)
+	}
+
+	r = kubectl(t, "", "ichor", "rotate", "ca", "--talos", "-y", "--name", "rot", "-n", ns, "--controller-namespace", ctrlNS, "--wait", "--timeout", "2m")
+	if r.code != 0 {
+		t.Fatalf("rotate ca --talos --wait: exit %d\nstdout %s\nstderr %s", r.code, r.out, r.err)
+	}
+	out := ok(t, "ichor", "operation", "describe", "rot", "-n", ns, "--controller-namespace", ctrlNS)
+	for _, want := range []string{"Phase:       Succeeded", "Stages:", "prepare-ca", "accept-new-ca", "verify-accepted", "swap-ca",
+		"verify-swapped", "drop-old-ca", "verify-dropped",
+		"afterwards: a talosconfig of the old Talos API CA is refused by every machine"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("describe lacks %q:\n%s", want, out)
+		}
+	}
+	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close() //nolint:errcheck
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := tc.Version(ctx); err == nil {
+		t.Error("the fleet's original talosconfig still answers after the rotation")
+	}
 }
