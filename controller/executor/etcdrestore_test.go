@@ -21,9 +21,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/journal"
 	"maesh.dev/ichor/controller/snapshot/snapshottest"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
@@ -132,6 +134,71 @@ func TestEtcdRestoreSteps(t *testing.T) {
 		if cp.BootID() != boots[cp.Name()] {
 			t.Errorf("a rerun of the reset reset %s again", cp.Name())
 		}
+	}
+
+	takeOver(t, ctx, f, kenv, tc, rec, env)
+}
+
+// takeOver: a second restore, its tail handed over to a Takeover that is
+// killed once the API is gone; a new one resumes from the journal alone
+// (the hand-over file and META) and finishes: the objects created after
+// the snapshot are gone, the operation (created after it too) is back,
+// Succeeded with the snapshot's revision, and the journal is cleared.
+func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine, env func(*ichorv1.TalosOperation) *executor.Env) {
+	kc := kenv.Kube
+	createConfigMaps(t, kc, "second")
+	snap := filepath.Join(t.TempDir(), "etcd2.snapshot")
+	takeSnapshot(t, tc, rec, snap)
+	createConfigMaps(t, kc, "later")
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "restore"}, Spec: ichorv1.TalosOperationSpec{
+		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
+	if err := kenv.Client.Create(ctx, op); err != nil {
+		t.Fatal(err)
+	}
+	e := env(op)
+	for _, name := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers} {
+		e.Machine.Step = name
+		runStep(t, ctx, stepNamed(t, e, name), e)
+	}
+	cfg, err := f.Talosconfig().Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	first := &executor.Takeover{Dir: dir, Kube: kenv.Client, Clientset: kc, Log: testr.New(t)}
+	kctx, kill := context.WithCancel(ctx)
+	if err := first.Begin(kctx, e, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if !first.Owns(types.NamespacedName{Namespace: "default", Name: "restore"}) {
+		t.Error("the takeover does not say it owns the operation")
+	}
+	testenv.Eventually(t, 2*time.Minute, "the API gone", func(context.Context) (bool, error) { return !f.HostedEtcd().Serving, nil })
+	kill()
+	first.Wait()
+
+	second := &executor.Takeover{Dir: dir, Kube: kenv.Client, Clientset: kc, Log: testr.New(t)}
+	if err := second.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second.Wait()
+	if got, err := configMaps(kc); err != nil || got != "before,second" {
+		t.Fatalf("after the second restore the ConfigMaps are %q (%v)", got, err)
+	}
+	var back ichorv1.TalosOperation
+	if err := kenv.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: "restore"}, &back); err != nil {
+		t.Fatalf("the operation was not written back: %v", err)
+	}
+	ms := back.Status.Machines
+	if back.Status.Phase != ichorv1.PhaseSucceeded || len(ms) != 1 || ms[0].To != e.Machine.To || back.Spec.Paused {
+		t.Fatalf("written back: %+v", back)
+	}
+	j := journal.Journal{Talos: tc, ControlPlanes: e.ControlPlanes}
+	if s, o, err := j.ReadState(ctx); s != nil || o != nil || err != nil {
+		t.Fatalf("the journal is not cleared: %+v, %+v, %v", s, o, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "etcd-restore-handover.json")); !os.IsNotExist(err) {
+		t.Fatalf("the hand-over file is still there: %v", err)
 	}
 }
 
