@@ -71,7 +71,7 @@ func TestTalosCARotation(t *testing.T) {
 		hook := func(s operation.StepRun) {
 			mu.Lock()
 			defer mu.Unlock()
-			if s.Operation.Name != "rotate-killed" || s.Err != nil || (s.Step != executor.StepGenerateCA && s.Step != executor.StepVerifyCA) {
+			if s.Operation.Name != "rotate-killed" || s.Err != nil {
 				return
 			}
 			op := &ichorv1.TalosOperation{}
@@ -106,8 +106,8 @@ func TestTalosCARotation(t *testing.T) {
 			break
 		}
 	}
-	if n := kills.Load(); n != 4 {
-		t.Errorf("%d kills, want one after each of the 4 verifying stages (%v)", n, killedAt)
+	if n := kills.Load(); n != 7 {
+		t.Errorf("%d kills, want one in each of the 7 stages (%v)", n, killedAt)
 	}
 	checkRotated(t, c, before)
 	c.start()
@@ -146,7 +146,8 @@ func heldTalosconfig(t *testing.T, c *cluster) *clientconfig.Config {
 // certificate is judged; and so for every machine, a worker being reached
 // through them), as is old itself, Secret
 // ichor-talosconfig's talosconfig answers on every machine through every
-// endpoint, and the rotation's Secret is gone.
+// endpoint, every machine's machine.ca is the new CA and accepts no other,
+// and the rotation's Secret is gone.
 func checkRotated(t *testing.T, c *cluster, old *clientconfig.Config) {
 	t.Helper()
 	held := heldTalosconfig(t, c)
@@ -176,7 +177,23 @@ func checkRotated(t *testing.T, c *cluster, old *clientconfig.Config) {
 			}
 		}
 	}
-	err := env.Client.Get(context.Background(), ctrlclient.ObjectKey{Namespace: c.ctrlNS, Name: executor.CARotationSecret}, &corev1.Secret{})
+	// Every machine's machine.ca is the new CA (its key on control planes
+	// only), and no other CA is accepted.
+	newCA, err := base64.StdEncoding.DecodeString(held.Contexts[held.Context].CA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range c.fleet.Machines() {
+		sec := m.Config().Machine().Security()
+		ca := sec.IssuingCA()
+		if ca == nil || strings.TrimSpace(string(ca.Crt)) != strings.TrimSpace(string(newCA)) || (len(ca.Key) > 0) != (m.Role() == sim.ControlPlane) {
+			t.Errorf("%s: machine.ca is not the new CA (with its key on a control plane only)", m.Name())
+		}
+		if n := len(sec.AcceptedCAs()); n != 0 {
+			t.Errorf("%s: machine.acceptedCAs holds %d CA(s), want none", m.Name(), n)
+		}
+	}
+	err = env.Client.Get(context.Background(), ctrlclient.ObjectKey{Namespace: c.ctrlNS, Name: executor.CARotationSecret}, &corev1.Secret{})
 	if !apierrors.IsNotFound(err) {
 		t.Errorf("Secret %s after the rotation: %v, want it removed", executor.CARotationSecret, err)
 	}
