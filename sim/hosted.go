@@ -284,7 +284,7 @@ func (a *apiServer) stopLocked() {
 	a.m.f.hosting.lb.SetUp(a.address, false)
 	if a.proc != nil {
 		began := time.Now()
-		a.proc.Stop()
+		a.proc.StopWithin(a.m.f.stopGrace(true))
 		a.proc = nil
 		a.m.f.logf("%s: kube-apiserver stopped in %s", a.m.Name(), time.Since(began).Round(time.Millisecond))
 	}

@@ -245,7 +245,7 @@ func (c *component) run(ctx context.Context, gen int, in componentInput) {
 				err = p.Unexpected()
 			case <-ctx.Done():
 				stopping := time.Now()
-				p.Stop()
+				p.StopWithin(m.f.stopGrace(false))
 				m.f.logf("%s: %s stopped in %s", m.Name(), c.pod.id, time.Since(stopping).Round(time.Millisecond))
 			}
 			c.running(nil)

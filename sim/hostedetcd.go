@@ -215,6 +215,25 @@ func (f *Fleet) HostedEtcd() EtcdStatus {
 	return EtcdStatus{ClientURL: e.client, Serving: e.proc != nil, Starts: e.starts, LastStart: e.lastStart}
 }
 
+// stopGrace is how long a control-plane component stopping with its
+// machine gets between SIGTERM and SIGKILL. A kube-apiserver has stopped
+// listening and drained its requests within about a second, and then
+// sometimes does not exit for as long as it may (its log ends with its
+// controllers shut down); without etcd its graceful shutdown waits out its
+// storage, and the controller manager and the scheduler try to give their
+// leases back to an API that cannot store them. Nobody can see the wait
+// (the balancer has dropped the machine's API server already), and every
+// control-plane reboot in the tests would pay it, so it is cut short.
+func (f *Fleet) stopGrace(apiServer bool) time.Duration {
+	switch {
+	case !f.apiStores():
+		return time.Second
+	case apiServer:
+		return 3 * time.Second
+	}
+	return 10 * time.Second
+}
+
 // apiStores reports whether the API can store anything: always with a
 // fixed API server; under Spec.Hosted while etcd serves.
 func (f *Fleet) apiStores() bool { return f.hosting == nil || f.HostedEtcd().Serving }

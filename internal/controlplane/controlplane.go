@@ -261,7 +261,10 @@ func (p *Process) Unexpected() error {
 
 // Stop ends the process (SIGTERM, SIGKILL after 10 seconds) and waits for
 // it. It is safe to call twice.
-func (p *Process) Stop() {
+func (p *Process) Stop() { p.StopWithin(10 * time.Second) }
+
+// StopWithin is Stop with grace instead of 10 seconds before the SIGKILL.
+func (p *Process) StopWithin(grace time.Duration) {
 	p.stopOnce.Do(func() {
 		p.mu.Lock()
 		p.stopping = true
@@ -269,7 +272,7 @@ func (p *Process) Stop() {
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-p.done:
-		case <-time.After(10 * time.Second):
+		case <-time.After(grace):
 			_ = p.cmd.Process.Kill()
 			<-p.done
 		}
