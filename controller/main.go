@@ -64,6 +64,7 @@ func newRoot() *cobra.Command {
 				}
 			}
 			o.Pod = app.OwnPod()
+			o.Node = os.Getenv("NODE_NAME")
 			if chartDigest != "" {
 				if o.CiliumChart, err = chartWithDigest(chartDigest); err != nil {
 					return err

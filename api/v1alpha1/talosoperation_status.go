@@ -65,6 +65,11 @@ const (
 	// on: it was refused, or a step failed and nothing is in flight any
 	// more. Its reason is the failure's. kstatus reads it as Failed.
 	ConditionStalled = "Stalled"
+	// ConditionClusterBack is set on an operation that took the API away
+	// (a shutdown) once the cluster has come back: its lastTransitionTime
+	// is when the controller found the API answering again, its message
+	// which machines are back.
+	ConditionClusterBack = "ClusterBack"
 )
 
 // MachineRole is a machine's role in the cluster.

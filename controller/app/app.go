@@ -86,6 +86,10 @@ type Options struct {
 	// Pod is the controller's own pod, "namespace/name" (main.go reads it
 	// as OwnPod does; empty outside a pod): a drain evicts it last.
 	Pod string
+	// Node is the Node the controller's pod runs on (main.go reads
+	// $NODE_NAME, the downward API's spec.nodeName): a shutdown takes it
+	// last among the workers.
+	Node string
 }
 
 // Variables that set the listen addresses when the flags do not. The
@@ -142,7 +146,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
 	}
-	self := executor.Controller{Namespace: o.Namespace, Version: o.Version, Image: o.Image, ChartDir: orDefault(o.ChartDir, cilium.ChartDir), Chart: table.CiliumChart, Pod: o.Pod}
+	self := executor.Controller{Namespace: o.Namespace, Version: o.Version, Image: o.Image, ChartDir: orDefault(o.ChartDir, cilium.ChartDir), Chart: table.CiliumChart, Pod: o.Pod, Node: o.Node}
 	if o.CiliumChart != nil {
 		self.Chart = *o.CiliumChart
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -81,6 +82,16 @@ type Step struct {
 	// of whoever took the lock over meanwhile. The checks and reads chained
 	// elsewhere take nothing away and need none.
 	Cordons bool
+	// Ends, on an Irreversible step, says that the step takes away the
+	// API the controller records status in (every control plane shut
+	// down together): nothing can record its result. The status write
+	// that counts its run (Calls) therefore records the operation's end
+	// as well: the machine Succeeded and the operation Succeeded, with
+	// Ends as their message (what happens now and what to do next). The
+	// step runs only once that write is on the API server, and only by
+	// the controller that wrote it; a controller that finds the
+	// operation so ended later decides from the machines (EndRecorder).
+	Ends string
 }
 
 // Outcome is what a finished step records.
@@ -161,6 +172,10 @@ type Controller struct {
 	// Pod is the controller's own pod, "namespace/name" (empty outside
 	// one): a drain of its machine evicts it last.
 	Pod string
+	// Node is the Node the controller's pod runs on (the downward API's
+	// spec.nodeName; empty outside a pod): a kind that shuts machines
+	// down (StopsMachines) takes it last in its tier.
+	Node string
 }
 
 // StepError is a failed step. The reconciler pauses the operation with
@@ -223,6 +238,7 @@ func Default() Registry {
 		ichorv1.KindConfig:     NewConfigRollout(),
 		ichorv1.KindNode:       NodeAction{},
 		ichorv1.KindCARotation: CARotation{},
+		ichorv1.KindShutdown:   ClusterShutdown{},
 	}
 }
 
@@ -270,4 +286,41 @@ type Stager interface {
 	// Stages lists the stages in order: name, roles and order of each
 	// (ichorv1.StageStatus without its times and progress).
 	Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus
+}
+
+// StopsMachines is implemented by kinds that leave the machines they are
+// done with powered off. The machine the controller runs on
+// (Controller.Node) goes last in its tier, so that the others are done
+// before the step that ends this process (its drain, its shutdown); and a
+// worker the operation is done with counts no more against
+// maxUnavailable: it is down on purpose.
+type StopsMachines interface {
+	StopsMachines() bool
+}
+
+// EndRecorder is implemented by kinds with a step that Ends the
+// operation. The driver calls Ended on every turn of an operation so
+// ended, with the machine whose step ended it, until it says it is done
+// with it: the kind looks at the machines (did the call go out, has the
+// cluster come back), records what it found in the operation's
+// conditions, and may ask for the ending step to run again (relaunch:
+// the controller that wrote its intent did not make its call, or may not
+// have) or to be looked at again after a while.
+type EndRecorder interface {
+	Ended(ctx context.Context, e *Env) (EndState, error)
+}
+
+// EndState is what an EndRecorder found of an ended operation.
+type EndState struct {
+	// Condition, when set, is recorded in the operation's conditions.
+	Condition *metav1.Condition
+	// Relaunch runs the ending step again, its run counted first (Calls):
+	// it decides from the machines whether the call was made.
+	Relaunch bool
+	// Uncordon lifts the cordons the operation made.
+	Uncordon bool
+	// Done: nothing more to look at.
+	Done bool
+	// Recheck looks again after this long (zero: at the next event).
+	Recheck time.Duration
 }

@@ -236,6 +236,9 @@ func (t *turn) countCalls() {
 		}
 		m.Calls++
 		t.r.runner.count(k, m.Calls)
+		if step.Ends != "" {
+			t.end(m, step)
+		}
 	}
 }
 

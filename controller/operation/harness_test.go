@@ -202,6 +202,20 @@ func (c counting) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
 	return nil
 }
 
+// StopsMachines forwards to the wrapped executor when it has one.
+func (c counting) StopsMachines() bool {
+	s, ok := c.Executor.(executor.StopsMachines)
+	return ok && s.StopsMachines()
+}
+
+// Ended forwards to the wrapped executor when it is an EndRecorder.
+func (c counting) Ended(ctx context.Context, e *executor.Env) (executor.EndState, error) {
+	if r, ok := c.Executor.(executor.EndRecorder); ok {
+		return r.Ended(ctx, e)
+	}
+	return executor.EndState{Done: true}, nil
+}
+
 // LockIdentity forwards to the wrapped executor when it has one.
 func (c counting) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
 	if li, ok := c.Executor.(executor.LockIdentifier); ok {

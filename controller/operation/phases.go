@@ -353,11 +353,15 @@ func (t *turn) reconcileRunning(ctx context.Context) (ctrl.Result, error) {
 // or a shutdown does so on purpose), is in service.
 func (t *turn) outOfService(ctx context.Context) map[string]plan.Out {
 	own := ichorv1.OperationIdentity(t.op.Namespace, t.op.Name)
+	stops, _ := t.exec.(executor.StopsMachines)
 	out := map[string]plan.Out{}
 	for i := range t.nodes {
 		n := &t.nodes[i]
 		if machine.Role(n) != ichorv1.RoleWorker {
 			continue
+		}
+		if m := entry(&t.op.Status, n.Name); stops != nil && stops.StopsMachines() && m != nil && m.Phase == ichorv1.MachineSucceeded {
+			continue // stopped by this operation, on purpose
 		}
 		by := n.Annotations[executor.CordonedByAnnotation]
 		switch {
@@ -447,6 +451,9 @@ func (t *turn) held(name string) (bool, string) {
 func (t *turn) reconcileOver(ctx context.Context) (ctrl.Result, error) {
 	if err := t.r.release(ctx, t.op); err != nil {
 		return ctrl.Result{}, err
+	}
+	if endPending(t.op) {
+		return t.reconcileEnded(ctx)
 	}
 	if err := t.actOnSkip(ctx); err != nil {
 		return ctrl.Result{}, err

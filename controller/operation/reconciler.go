@@ -135,8 +135,10 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	if t.op.Succeeded() || t.op.Refused() {
-		// Let the next operation in at once, not a watch round trip later.
-		return ctrl.Result{}, errors.Join(t.r.release(ctx, t.op), t.removeRequests(ctx))
+		// The step that ends the operation runs now that its end is
+		// written; then the next operation may come in at once, not a
+		// watch round trip later.
+		return ctrl.Result{}, errors.Join(t.launchEnd(ctx), t.r.release(ctx, t.op), t.removeRequests(ctx))
 	}
 	again, err := t.launch(ctx, check)
 	if err != nil {

@@ -368,13 +368,13 @@ func (r *runner) settle(op *ichorv1.TalosOperation) {
 			continue
 		}
 		m, ok := current[k.machine]
-		if !ok || m.Phase != ichorv1.MachineInProgress || !res.has(m.Step) || m.Attempts != res.attempt {
+		if !ok || !working(m) || !res.has(m.Step) || m.Attempts != res.attempt {
 			delete(r.results, k)
 		}
 	}
 	for k := range r.stepKeys(op.UID) {
 		m, ok := current[k.machine]
-		if !ok || m.Phase != ichorv1.MachineInProgress || m.Step != k.step || m.Attempts != k.attempt {
+		if !ok || !working(m) || m.Step != k.step || m.Attempts != k.attempt {
 			delete(r.waits, k)
 			delete(r.calls, k)
 		}

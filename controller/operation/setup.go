@@ -78,7 +78,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 // active maps any event to the operations that are not finished.
 func (r *Reconciler) active(ctx context.Context, _ client.Object) []reconcile.Request {
 	return r.requests(ctx, func(op *ichorv1.TalosOperation) bool {
-		return !over(op)
+		return !over(op) || endPending(op)
 	})
 }
 

@@ -91,6 +91,9 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 		if after := ichorv1.Afterwards(op.Spec); after != "" {
 			msg += "; afterwards: " + after
 		}
+		if m := endedBy(st); m != nil {
+			msg = m.Message
+		}
 		return ichorv1.PhaseSucceeded, "Succeeded", msg
 	case op.StepFailed():
 		msg := failureMessage(st)

@@ -146,10 +146,14 @@ func (t *turn) plan() error {
 		return errors.New("the cluster has no Nodes")
 	}
 	summary, to := t.exec.Target(op)
+	self := ""
+	if s, ok := t.exec.(executor.StopsMachines); ok && s.StopsMachines() {
+		self = t.r.Controller.Node
+	}
 	ms := make([]plan.Machine, 0, len(inScope))
 	for i := range inScope {
 		n := &inScope[i]
-		m := plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations}
+		m := plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations, Last: self != "" && n.Name == self}
 		// From is a version only for kinds that move machines to one; the
 		// others leave it to their steps (a config rollout keeps status
 		// small: only the fingerprint it applies, in To).

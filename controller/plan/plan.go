@@ -29,6 +29,11 @@ type Machine struct {
 	Annotations map[string]string
 	// Version is what the machine runs now (recorded as `from`).
 	Version string
+	// Last sorts the machine after the others of its tier, whatever its
+	// order label: the machine the controller runs on, for a kind that
+	// stops it (the others must be done before the step that stops this
+	// process).
+	Last bool
 }
 
 // Order sorts machines into execution order: control planes, then workers;
@@ -40,6 +45,9 @@ func Order(ms []Machine) []Machine {
 		a, b := out[i], out[j]
 		if ta, tb := tier(a.Role), tier(b.Role); ta != tb {
 			return ta < tb
+		}
+		if a.Last != b.Last {
+			return b.Last
 		}
 		oa, okA := order(a)
 		ob, okB := order(b)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/cosi-project/runtime/pkg/resource"
@@ -18,6 +19,18 @@ import (
 func Shutdown(ctx context.Context, c *talosclient.Client, node string, force bool) error {
 	if err := c.Shutdown(talosclient.WithNode(ctx, node), talosclient.WithShutdownForce(force)); err != nil {
 		return fmt.Errorf("shutdown: %w", err)
+	}
+	return nil
+}
+
+// ShutdownAll shuts the machines down in one request, its nodes metadata
+// naming them all (apid fans MachineService calls out), so that they stop
+// together: every control plane at once, whose etcd then stops at once
+// instead of losing quorum half way. A machine that refuses fails the
+// whole call, naming it.
+func ShutdownAll(ctx context.Context, c *talosclient.Client, nodes []string, force bool) error {
+	if err := c.Shutdown(talosclient.WithNodes(ctx, nodes...), talosclient.WithShutdownForce(force)); err != nil {
+		return fmt.Errorf("shutdown of %s: %w", strings.Join(nodes, ", "), err)
 	}
 	return nil
 }
