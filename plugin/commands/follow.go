@@ -14,6 +14,7 @@ import (
 
 	"github.com/spf13/cobra"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -82,6 +83,9 @@ func exitError(code int, format string, a ...any) error {
 // retry asked for by this command is still on its way (retryCount not past
 // baseline) is the old failure and does not count.
 func outcome(op *ichorv1.TalosOperation, retryBaseline int32, command string) (bool, error) {
+	if op.APIGoing() {
+		return false, nil // followed until the API has gone (apiGone)
+	}
 	if op.Succeeded() {
 		return true, nil
 	}
@@ -214,6 +218,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	}
 	ticker := time.NewTicker(200 * time.Millisecond)
 	defer ticker.Stop()
+	probe := &every{period: time.Second}
 	for {
 		if done, err := outcome(op, retryBaseline, e.Name); done {
 			return finish(d, op, err)
@@ -246,6 +251,9 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			if err := d.tick(); err != nil {
 				return err
 			}
+			if op.APIGoing() && probe.due() && apiGone(ctx, c, op) {
+				return finishGone(d, op, e.Streams.ErrOut)
+			}
 		case <-deadline:
 			err := exitError(ExitTimeout, "timed out after %s waiting for %s (%s)", ff.timeout, ref(name), phaseWords(op))
 			return finish(d, op, err)
@@ -254,6 +262,41 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			return finish(d, op, err)
 		}
 	}
+}
+
+// every says when something done periodically is due.
+type every struct {
+	period time.Duration
+	last   time.Time
+}
+
+func (e *every) due() bool {
+	if time.Since(e.last) < e.period {
+		return false
+	}
+	e.last = time.Now()
+	return true
+}
+
+// apiGone says whether the API server no longer answers: a read of the
+// operation gets no answer at all (an answer, even an error, is the API).
+func apiGone(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) bool {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	err := c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
+	var status apierrors.APIStatus
+	return err != nil && !errors.As(err, &status) && !errors.Is(ctx.Err(), context.Canceled)
+}
+
+// finishGone ends the following of an operation that took the API away,
+// once it has: that was the operation's end, not a failure; it says so,
+// and how the cluster comes back.
+func finishGone(d display, op *ichorv1.TalosOperation, errOut io.Writer) error {
+	if err := d.close(op, nil); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(errOut, "the API went away, as expected: %s\n", view.Clean(op.Status.Message))
+	return err
 }
 
 // stoppedFollowing is the end of a watch the user interrupted: not an
