@@ -72,11 +72,19 @@ func (ClusterShutdown) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([
 	if op.Spec.Machines != nil {
 		return nil, fmt.Errorf("spec.machines: a shutdown stops the whole cluster; remove spec.machines (to stop some machines, use kind node with action shutdown)")
 	}
+	for i := range nodes {
+		n := &nodes[i]
+		if _, held := n.Annotations[ichorv1.UpgradeHoldAnnotation]; held && machine.Role(n) == ichorv1.RoleControlPlane {
+			return nil, fmt.Errorf("control plane %s carries %s, but a shutdown stops every control plane together, in one call: "+
+				"remove the annotation (`kubectl annotate node %s %s-`) to shut the cluster down", n.Name, ichorv1.UpgradeHoldAnnotation, n.Name, ichorv1.UpgradeHoldAnnotation)
+		}
+	}
 	return nodes, nil
 }
 
 // HonourHold implements Executor: a held worker stays up (an operator
-// keeps it running on purpose); the control planes all stop together.
+// keeps it running on purpose); a held control plane refuses the
+// operation (Scope), as the control planes all stop together.
 func (ClusterShutdown) HonourHold() bool { return true }
 
 // StopsMachines implements StopsMachines.

@@ -42,6 +42,9 @@ func TestOrder(t *testing.T) {
 		{"a label that is not an integer counts as absent", []Machine{labelled("a", w, "first"), labelled("b", w, "3")}, []string{"b", "a"}},
 		{"equal orders by name", []Machine{labelled("b", w, "1"), labelled("a", w, "1")}, []string{"a", "b"}},
 		{"order label does not cross tiers", []Machine{labelled("w", w, "-5"), labelled("c", cp, "5")}, []string{"c", "w"}},
+		{"last in its tier, whatever its label", []Machine{{Name: "w1", Role: w, Last: true, Labels: map[string]string{ichorv1.UpgradeOrderLabel: "-9"}}, labelled("w2", w, "3"), {Name: "w3", Role: w}, {Name: "c", Role: cp}},
+			[]string{"c", "w2", "w3", "w1"}},
+		{"last does not cross tiers", []Machine{{Name: "c", Role: cp, Last: true}, {Name: "b", Role: cp}, {Name: "a", Role: w}}, []string{"b", "c", "a"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

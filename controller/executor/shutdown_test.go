@@ -1,0 +1,98 @@
+package executor
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+// TestShutdownSteps: the workers are drained unless force (then only the
+// controller's own pod moves), the control planes' stage ends the
+// operation with one irreversible call.
+func TestShutdownSteps(t *testing.T) {
+	op := func(force bool, stage string) *ichorv1.TalosOperation {
+		return &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{Force: force}},
+			Status: ichorv1.TalosOperationStatus{Stage: stage}}
+	}
+	tests := []struct {
+		name string
+		op   *ichorv1.TalosOperation
+		want []string
+	}{
+		{"worker", op(false, StageWorkers), []string{StepRecordBoot, StepCordon, StepDrain, StepShutdown, StepWaitDown}},
+		{"worker, force", op(true, StageWorkers), []string{StepRecordBoot, StepEvictSelf, StepShutdown, StepWaitDown}},
+		{"control planes", op(false, StageControlPlanes), []string{StepCheckControlPlanes, StepShutdownControlPlanes}},
+	}
+	for _, tt := range tests {
+		steps := ClusterShutdown{}.Steps(tt.op, &ichorv1.MachineStatus{})
+		var got []string
+		for _, s := range steps {
+			got = append(got, s.Name)
+		}
+		if !reflect.DeepEqual(got, tt.want) {
+			t.Errorf("%s: steps %v, want %v", tt.name, got, tt.want)
+		}
+		last := steps[len(steps)-1]
+		if ends := tt.op.Status.Stage == StageControlPlanes; ends != (last.Ends != "" && last.Irreversible) {
+			t.Errorf("%s: last step %s Ends %q, Irreversible %v", tt.name, last.Name, last.Ends, last.Irreversible)
+		}
+	}
+}
+
+// TestShutdownScope: the whole cluster, and nothing else: a selector or a
+// held control plane (they all stop together) refuses it, saying what to do.
+func TestShutdownScope(t *testing.T) {
+	node := func(name string, cp, held bool) corev1.Node {
+		n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}, Annotations: map[string]string{}}}
+		if cp {
+			n.Labels["node-role.kubernetes.io/control-plane"] = ""
+		}
+		if held {
+			n.Annotations[ichorv1.UpgradeHoldAnnotation] = "true"
+		}
+		return n
+	}
+	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown}}
+	if got, err := (ClusterShutdown{}).Scope(op, []corev1.Node{node("cp", true, false), node("w", false, true)}); err != nil || len(got) != 2 {
+		t.Errorf("a held worker: %d machines, %v", len(got), err)
+	}
+	if _, err := (ClusterShutdown{}).Scope(op, []corev1.Node{node("cp", true, true)}); err == nil || !strings.Contains(err.Error(), "kubectl annotate node cp "+ichorv1.UpgradeHoldAnnotation+"-") {
+		t.Errorf("a held control plane: %v", err)
+	}
+	op.Spec.Machines = &metav1.LabelSelector{}
+	if _, err := (ClusterShutdown{}).Scope(op, nil); err == nil || !strings.Contains(err.Error(), "remove spec.machines") {
+		t.Errorf("spec.machines: %v", err)
+	}
+}
+
+// TestCameBack: the time is the first one recorded; a machine is back once
+// its Node has been Ready since the shutdown, not on the Ready it reported
+// before it.
+func TestCameBack(t *testing.T) {
+	ended := metav1.NewTime(time.Now().Add(-time.Minute))
+	ready := func(name string, at time.Time) corev1.Node {
+		return corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{
+			{Type: corev1.NodeReady, Status: corev1.ConditionTrue, LastHeartbeatTime: metav1.NewTime(at), LastTransitionTime: metav1.NewTime(at)}}}}
+	}
+	op := &ichorv1.TalosOperation{Status: ichorv1.TalosOperationStatus{CompletionTime: &ended,
+		Machines: []ichorv1.MachineStatus{{Name: "cp"}, {Name: "w1"}, {Name: "w2"}}}}
+	e := &Env{Op: op, Nodes: []corev1.Node{ready("cp", time.Now()), ready("w1", ended.Add(-time.Second))}}
+	c := cameBack(e)
+	if c.Reason != ReasonMachinesMissing || !strings.Contains(c.Message, "1/3 machines back") || !strings.HasSuffix(c.Message, "w1, w2") {
+		t.Errorf("first look: %s %s", c.Reason, c.Message)
+	}
+	first := metav1.NewTime(time.Now().Add(-10 * time.Second).Truncate(time.Second))
+	c.LastTransitionTime = first
+	op.Status.Conditions = []metav1.Condition{c}
+	e.Nodes = []corev1.Node{ready("cp", time.Now()), ready("w1", time.Now()), ready("w2", time.Now())}
+	c = cameBack(e)
+	if c.Reason != ReasonAllMachinesBack || !c.LastTransitionTime.Equal(&first) || !strings.Contains(c.Message, first.UTC().Format(time.RFC3339)) {
+		t.Errorf("all back: %s %s at %s, want the first time %s", c.Reason, c.Message, c.LastTransitionTime, first)
+	}
+}
