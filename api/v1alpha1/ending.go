@@ -8,12 +8,17 @@ package v1alpha1
 // finished otherwise has neither step nor calls.
 func (st *TalosOperationStatus) EndingMachine() *MachineStatus {
 	for i := range st.Machines {
-		m := &st.Machines[i]
-		if m.Phase == MachineSucceeded && m.Step != "" && m.Calls > 0 {
-			return m
+		if st.Machines[i].Ends() {
+			return &st.Machines[i]
 		}
 	}
 	return nil
+}
+
+// Ends reports whether the machine's step ended the operation by taking
+// the API away (see EndingMachine).
+func (m *MachineStatus) Ends() bool {
+	return m.Phase == MachineSucceeded && m.Step != "" && m.Calls > 0
 }
 
 // APIGoing reports whether the operation succeeded by taking the API away

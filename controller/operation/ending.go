@@ -25,23 +25,14 @@ import (
 // between the write and the call) still up as before, when the step runs
 // again, counted, and decides from the machine.
 
-// endedBy returns the machine whose step ended the operation: Succeeded
-// with its step still named and its run counted (finishStep clears both of
-// a machine that finished), or nil.
-func endedBy(st *ichorv1.TalosOperationStatus) *ichorv1.MachineStatus {
-	for i := range st.Machines {
-		m := &st.Machines[i]
-		if m.Phase == ichorv1.MachineSucceeded && m.Step != "" && m.Calls > 0 {
-			return m
-		}
-	}
-	return nil
-}
+// endedBy returns the machine whose step ended the operation (see
+// TalosOperationStatus.EndingMachine), or nil.
+func endedBy(st *ichorv1.TalosOperationStatus) *ichorv1.MachineStatus { return st.EndingMachine() }
 
 // working says whether the runner keeps the machine's results and counts:
 // its step is in progress, or ended the operation.
 func working(m ichorv1.MachineStatus) bool {
-	return m.Phase == ichorv1.MachineInProgress || m.Phase == ichorv1.MachineSucceeded && m.Step != "" && m.Calls > 0
+	return m.Phase == ichorv1.MachineInProgress || m.Ends()
 }
 
 // endPending reports whether the operation was ended by a step that took
