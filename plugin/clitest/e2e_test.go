@@ -112,12 +112,12 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 
 	// The controller's own words for a kind it does not carry out...
 	direct := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "direct"},
-		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindCARotation, CARotation: &ichorv1.CARotation{}}}
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindKeyRotation, KeyRotation: &ichorv1.KeyRotation{}}}
 	if err := env.Client.Create(context.Background(), direct); err != nil {
 		t.Fatal(err)
 	}
 	var said string
-	testenv.Eventually(t, 30*time.Second, "the controller to refuse the CA rotation", func(ctx context.Context) (bool, error) {
+	testenv.Eventually(t, 30*time.Second, "the controller to refuse the key rotation", func(ctx context.Context) (bool, error) {
 		op := getOp(t, ns, "direct")
 		if c := meta.FindStatusCondition(op.Status.Conditions, ichorv1.CheckKindSupported); c != nil {
 			said = c.Message
@@ -125,14 +125,14 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 		return said != "", nil
 	})
 	// ...are the plugin's, before it creates anything.
-	r = kubectl(t, "", "ichor", "rotate", "ca", "--yes", "-n", ns, "--controller-namespace", ctrlNS)
+	r = kubectl(t, "", "ichor", "rotate", "keys", "--yes", "-n", ns, "--controller-namespace", ctrlNS)
 	if want := "error: ichor-controller would refuse this operation, so nothing was created:\n  KindSupported: " + said + "\n"; r.code != 1 || r.err != want {
-		t.Errorf("rotate ca: exit %d, stderr\n%q\nwant\n%q", r.code, r.err, want)
+		t.Errorf("rotate keys: exit %d, stderr\n%q\nwant\n%q", r.code, r.err, want)
 	}
 	// Following it says so, without an override that cannot run it.
 	r = kubectl(t, "", "ichor", "watch", "direct", "-n", ns, "--controller-namespace", ctrlNS, "-o", "json")
 	if r.code != 2 {
-		t.Errorf("watch of a refused CA rotation: exit %d, stderr %q", r.code, r.err)
+		t.Errorf("watch of a refused key rotation: exit %d, stderr %q", r.code, r.err)
 	}
 	golden(t, "testdata/watch-refused-kind.golden", r.err)
 }
