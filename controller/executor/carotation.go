@@ -447,7 +447,11 @@ func caPatchStep(name string, c creds, patch caPatch) Step {
 		defer tc.Close() //nolint:errcheck
 		mc := machineconfig.Machine{Talos: tc, Node: e.Address}
 		var active config.Provider
-		if err := untilAnswers(ctx, func() error { active, err = mc.Active(ctx); return err }); err != nil {
+		if err := untilAccepted(ctx, func() error { active, err = mc.Active(ctx); return err }); err != nil {
+			var r refusal
+			if errors.As(err, &r) {
+				return Outcome{}, Fail("CredentialsRefused", "%s does not accept %s: %v", e.Machine.Name, c, r.err)
+			}
 			return Outcome{}, configFail(err)
 		}
 		changed := false
@@ -563,12 +567,44 @@ func verifyEverywhere(ctx context.Context, e *Env, cfg *clientconfig.Config, wha
 		if addr == "" {
 			return Fail("NoNodeAddress", "the Node %s has no InternalIP: its Talos API cannot be checked", m.Name)
 		}
-		if err := untilAnswers(ctx, func() error { _, err := talos.Version(ctx, tc, addr); return err }); err != nil {
+		if err := untilAccepted(ctx, func() error { _, err := talos.Version(ctx, tc, addr); return err }); err != nil {
 			return Fail("CredentialsRefused", "%s does not answer with %s: %w", m.Name, what, err)
 		}
 	}
 	return nil
 }
+
+// untilAccepted is untilAnswers for a call made with credentials being
+// proved: a handshake refused on the credentials (talos.Refused) for
+// refusedFor in a row ends it, as a refusal, where waiting would only
+// reach the step's deadline. Not at once: Talos takes a changed
+// configuration's certificates a moment after the apply answers (talosctl
+// retries Unavailable for 10 s).
+func untilAccepted(ctx context.Context, call func() error) error {
+	var since time.Time
+	return untilAnswers(ctx, func() error {
+		err := call()
+		if !talos.Refused(err) {
+			since = time.Time{}
+			return err
+		}
+		if since.IsZero() {
+			since = time.Now()
+		}
+		if time.Since(since) >= refusedFor {
+			return refusal{err}
+		}
+		return err
+	})
+}
+
+// refusedFor is how long untilAccepted lets a refusal last.
+const refusedFor = 15 * time.Second
+
+// refusal is a refused handshake, hidden from talos.Unreachable.
+type refusal struct{ err error }
+
+func (r refusal) Error() string { return r.err.Error() }
 
 // versionWith calls Version on the endpoint of cfg itself.
 func versionWith(ctx context.Context, e *Env, cfg *clientconfig.Config, where, what string) error {
@@ -577,7 +613,7 @@ func versionWith(ctx context.Context, e *Env, cfg *clientconfig.Config, where, w
 		return err
 	}
 	defer tc.Close() //nolint:errcheck
-	if err := untilAnswers(ctx, func() error { _, err := tc.Version(ctx); return err }); err != nil {
+	if err := untilAccepted(ctx, func() error { _, err := tc.Version(ctx); return err }); err != nil {
 		return Fail("CredentialsRefused", "%s does not answer with %s: %w", where, what, err)
 	}
 	return nil

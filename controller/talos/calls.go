@@ -250,6 +250,26 @@ func Unreachable(err error) bool {
 	return false
 }
 
+// Refused reports whether err is a TLS handshake that failed on the
+// credentials (the machine does not accept the client certificate, or the
+// client does not trust the machine's server certificate): Unavailable,
+// like a machine that is down, but waiting will not change it. In TLS 1.3
+// a refused client certificate may also surface as a connection the
+// server closed ("broken pipe"), which this cannot tell from a machine
+// going down.
+func Refused(err error) bool {
+	if !Unreachable(err) {
+		return false
+	}
+	msg := err.Error()
+	for _, s := range []string{"authentication handshake failed", "tls: ", "x509: "} {
+		if strings.Contains(msg, s) {
+			return true
+		}
+	}
+	return false
+}
+
 // Stage reads the machine's stage from its COSI MachineStatus: running,
 // or rebooting, upgrading, shutting down, resetting while Talos runs that
 // sequence (it keeps answering until the machine stops).

@@ -1,6 +1,12 @@
 package talos
 
-import "testing"
+import (
+	"fmt"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
 
 func TestInstallerImage(t *testing.T) {
 	const schematic = "376567988ad370138ad8b2698212367b8edcb69b5fd68c80be1f2ec7d603b4ba"
@@ -34,6 +40,21 @@ func TestHasLifecycleAPI(t *testing.T) {
 	for v, want := range map[string]bool{"v1.12.4": false, "v1.13.0": true, "v1.13.7": true, "v2.0.0": true, "1.11.0": false, "garbage": false} {
 		if got := HasLifecycleAPI(v); got != want {
 			t.Errorf("HasLifecycleAPI(%q) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+func TestRefused(t *testing.T) {
+	for msg, want := range map[error]bool{
+		status.Error(codes.Unavailable, `connection error: desc = "error reading server preface: remote error: tls: unknown certificate authority"`):                                               true,
+		status.Error(codes.Unavailable, `connection error: desc = "transport: authentication handshake failed: tls: failed to verify certificate: x509: certificate signed by unknown authority"`): true,
+		fmt.Errorf("version: %w", status.Error(codes.Unavailable, `connection error: desc = "transport: authentication handshake failed: EOF"`)):                                                   true,
+		status.Error(codes.Unavailable, `connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:50000: connect: connection refused"`):                                        false,
+		status.Error(codes.PermissionDenied, "not authorized"): false,
+		nil: false,
+	} {
+		if got := Refused(msg); got != want {
+			t.Errorf("Refused(%v) = %v, want %v", msg, got, want)
 		}
 	}
 }
