@@ -247,6 +247,11 @@ func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles rol
 	if err != nil {
 		return nil, err
 	}
+	if !stream {
+		if err := m.lostAnswer(fullMethod); err != nil {
+			return nil, err
+		}
+	}
 	return resp, nil
 }
 

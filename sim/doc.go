@@ -272,6 +272,8 @@
 //
 //	error:METHOD[:CODE][:once]  calls of METHOD fail with the gRPC CODE
 //	                            (default Unavailable), every time or once
+//	lost:METHOD[:CODE][:once]   unary calls of METHOD take effect, then
+//	                            their answer is CODE (default Unavailable)
 //	hang:METHOD                 calls of METHOD block until the fault is cleared
 //	rollback[:once]             the next boot of a new install comes back on
 //	                            the old version (Talos's A/B rollback)

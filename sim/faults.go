@@ -23,6 +23,11 @@ type FaultKind string
 const (
 	// FaultError makes calls of Method fail with Code (once, or always).
 	FaultError FaultKind = "error"
+	// FaultLost lets unary calls of Method take effect, then loses their
+	// answer: the caller gets Code (once, or always), as when a connection
+	// breaks after the machine acted. A caller must not take it for "not
+	// done".
+	FaultLost FaultKind = "lost"
 	// FaultHang makes calls of Method block until the fault is cleared, the
 	// caller gives up or the machine goes down.
 	FaultHang FaultKind = "hang"
@@ -44,13 +49,13 @@ const (
 // Fault is one injected fault.
 type Fault struct {
 	Kind FaultKind
-	// Method, for FaultError and FaultHang: a gRPC method name ("Reboot"
+	// Method, for FaultError, FaultLost and FaultHang: a gRPC method name ("Reboot"
 	// matches it in any service), "Service/Method"
 	// ("LifecycleService/Upgrade"), or "*" for every method.
 	Method string
-	// Code, for FaultError; zero means codes.Unavailable.
+	// Code, for FaultError and FaultLost; zero means codes.Unavailable.
 	Code codes.Code
-	// Once makes a FaultError or FaultRollback fire once only.
+	// Once makes a FaultError, FaultLost or FaultRollback fire once only.
 	Once bool
 	// Alarm, for FaultEtcdAlarm; zero (NONE) means NOSPACE.
 	Alarm machine.EtcdMemberAlarm_AlarmType
@@ -59,8 +64,8 @@ type Fault struct {
 // String renders f in the annotation syntax; ParseFaults reads it back.
 func (f Fault) String() string {
 	switch f.Kind {
-	case FaultError:
-		s := fmt.Sprintf("error:%s:%s", f.Method, f.code())
+	case FaultError, FaultLost:
+		s := fmt.Sprintf("%s:%s:%s", f.Kind, f.Method, f.code())
 		if f.Once {
 			s += ":once"
 		}
@@ -93,12 +98,12 @@ func (f Fault) alarm() machine.EtcdMemberAlarm_AlarmType {
 	return f.Alarm
 }
 
-const faultSyntax = "error:METHOD[:CODE][:once], hang:METHOD, rollback[:once], no-return, etcd-unhealthy, alarm[:NOSPACE|CORRUPT]"
+const faultSyntax = "error:METHOD[:CODE][:once], lost:METHOD[:CODE][:once], hang:METHOD, rollback[:once], no-return, etcd-unhealthy, alarm[:NOSPACE|CORRUPT]"
 
 // ParseFaults reads a comma-separated fault list in the annotation syntax:
 //
-//	error:METHOD[:CODE][:once]  hang:METHOD  rollback[:once]  no-return
-//	etcd-unhealthy  alarm[:NOSPACE|CORRUPT]
+//	error:METHOD[:CODE][:once]  lost:METHOD[:CODE][:once]  hang:METHOD
+//	rollback[:once]  no-return  etcd-unhealthy  alarm[:NOSPACE|CORRUPT]
 //
 // CODE is a gRPC code name such as Unavailable or PermissionDenied. An
 // empty string is no faults.
@@ -129,9 +134,9 @@ func parseFault(tok string) (Fault, error) {
 	f := Fault{Kind: kind}
 	bad := func(why string) (Fault, error) { return Fault{}, fmt.Errorf("fault %q: %s", tok, why) }
 	switch kind {
-	case FaultError:
+	case FaultError, FaultLost:
 		if len(args) == 0 || args[0] == "" {
-			return bad("name the method, e.g. error:Reboot")
+			return bad(fmt.Sprintf("name the method, e.g. %s:Reboot", kind))
 		}
 		f.Method, args = args[0], args[1:]
 		if n := len(args); n > 0 && strings.EqualFold(args[n-1], "once") {
@@ -363,6 +368,23 @@ func (m *Machine) hasFaultLocked(kind FaultKind, consume bool) bool {
 		return true
 	}
 	return false
+}
+
+// lostAnswer is the error that replaces the answer of a unary call that
+// took effect, when a lost fault matches it (nil when none does).
+func (m *Machine) lostAnswer(fullMethod string) error {
+	m.mu.Lock()
+	for _, af := range m.allFaultsLocked() {
+		if af.Kind != FaultLost || !methodMatches(af.Method, fullMethod) || af.Once && af.fired {
+			continue
+		}
+		af.fired = true
+		m.mu.Unlock()
+		m.f.logf("%s: fault %s lost the answer of %s, which took effect", m.Name(), af, shortMethod(fullMethod))
+		return status.Errorf(af.code(), "simulated fault %s on %s", af, m.Name())
+	}
+	m.mu.Unlock()
+	return nil
 }
 
 // callFaults applies the error and hang faults for one call: it returns the

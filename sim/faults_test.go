@@ -29,6 +29,8 @@ func TestParseFaults(t *testing.T) {
 		{in: "error:Reboot", want: []sim.Fault{{Kind: sim.FaultError, Method: "Reboot"}}},
 		{in: "error:LifecycleService/Upgrade:Internal:once", want: []sim.Fault{{Kind: sim.FaultError, Method: "LifecycleService/Upgrade", Code: codes.Internal, Once: true}}},
 		{in: "error:*:once", want: []sim.Fault{{Kind: sim.FaultError, Method: "*", Once: true}}},
+		{in: "lost:Bootstrap:DeadlineExceeded:once", want: []sim.Fault{{Kind: sim.FaultLost, Method: "Bootstrap", Code: codes.DeadlineExceeded, Once: true}}},
+		{in: "lost", err: "name the method, e.g. lost:Reboot"},
 		{in: " hang:Upgrade , no-return,etcd-unhealthy", want: []sim.Fault{{Kind: sim.FaultHang, Method: "Upgrade"}, {Kind: sim.FaultNoReturn}, {Kind: sim.FaultEtcdUnhealthy}}},
 		{in: "rollback:once,alarm:corrupt,alarm", want: []sim.Fault{{Kind: sim.FaultRollback, Once: true}, {Kind: sim.FaultEtcdAlarm, Alarm: machine.EtcdMemberAlarm_CORRUPT}, {Kind: sim.FaultEtcdAlarm}}},
 		{in: "error", err: "name the method"},
@@ -102,6 +104,27 @@ func TestFaultErrors(t *testing.T) {
 	}
 	if _, err := w.InjectString("hang:"); err == nil {
 		t.Fatal("a bad fault string must be refused")
+	}
+}
+
+// TestFaultLost: a call whose answer a lost fault takes away has taken
+// effect all the same (the machine rebooted), and the caller got the
+// fault's code; once fired, the next call answers.
+func TestFaultLost(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 1))
+	w := f.Machines()[1]
+	c := talos(t, f)
+	ctx, cancel := timeout()
+	defer cancel()
+	if _, err := w.InjectString("lost:Reboot:once"); err != nil {
+		t.Fatal(err)
+	}
+	before := w.BootID()
+	err := c.Reboot(client.WithNode(ctx, w.Address()))
+	wantCode(t, err, codes.Unavailable, "simulated fault lost:Reboot")
+	waitRebooted(t, w, before)
+	if _, err := version(t, c, w); err != nil {
+		t.Fatalf("after its lost answer, %s does not answer: %v", w.Name(), err)
 	}
 }
 
