@@ -336,8 +336,9 @@ func resetBack(ctx context.Context, e *Env) (bool, string) {
 // runRecover uploads the snapshot to the recovering machine and
 // bootstraps etcd from it, retrying while Talos is not ready for either
 // (FailedPrecondition, as Talos's own test retries). A Bootstrap refused
-// with AlreadyExists after an earlier run may have made it means etcd's
-// data is there: that run bootstrapped.
+// with AlreadyExists after one that may have been made (by an earlier run,
+// or by this one, whose answer did not come) means etcd's data is there:
+// that Bootstrap made it; the step after checks the store's revision.
 func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 	if err := e.requireAddress(); err != nil {
 		return Outcome{}, err
@@ -346,22 +347,27 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 	if err != nil {
 		return Outcome{}, Fail("SnapshotNotFound", "the snapshot is needed again for the upload: %w", err)
 	}
+	made := e.Machine.Calls > 1 // an earlier run may have bootstrapped
 	for {
 		err := talos.UploadSnapshot(ctx, e.Talos, e.Address, local)
-		if err == nil {
+		sent := err == nil
+		if sent {
 			err = talos.BootstrapFromSnapshot(ctx, e.Talos, e.Address)
 		}
 		code := talosclient.StatusCode(err)
 		switch {
 		case err == nil:
 			return Outcome{Message: "etcd bootstrapped from the snapshot, " + e.Machine.To}, nil
-		case code == codes.AlreadyExists && e.Machine.Calls > 1:
-			return Outcome{Message: "etcd was bootstrapped from the snapshot by an earlier run"}, nil
+		case code == codes.AlreadyExists && made:
+			return Outcome{Message: "etcd was bootstrapped from the snapshot by an earlier Bootstrap whose answer did not come"}, nil
 		case code == codes.AlreadyExists:
 			return Outcome{}, Fail("EtcdNotEmpty", "etcd's data on %s is not empty: it was not wiped by the reset (%v)", e.Machine.Name, err)
 		case code != codes.FailedPrecondition && code != codes.DeadlineExceeded && !talos.Unreachable(err):
 			return Outcome{}, Fail("RecoverFailed", "%w", err)
 		}
+		// Refused before anything changed, or not answered: only the
+		// refusal says that no Bootstrap was made.
+		made = made || sent && code != codes.FailedPrecondition
 		e.report("waiting for Talos to be ready for the recovery: " + err.Error())
 		if err := pause(ctx, time.Second); err != nil {
 			return Outcome{}, Fail("RecoverTimedOut", "Talos on %s was not ready for the recovery in time", e.Machine.Name)
