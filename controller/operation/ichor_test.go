@@ -417,14 +417,17 @@ func killAfterRollout(c *ichorCluster, old *controller, kill func()) {
 // flight when it ends.
 func TestDrainEvictsOwnPodLast(t *testing.T) {
 	c := newIchorWorld(t, sim.Cluster("", 1, 2))
-	w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
-	// The controller's pods and the held pod on w1.
+	cp, w1, w2 := c.fleet.Machines()[0].Name(), c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+	// The controller's pods and the held pod on w1 (the controller
+	// tolerates the control plane's taint, for a shutdown's last step).
 	c.setCordon(w2, true)
+	c.setCordon(cp, true)
 	c.install()
 	c.deployment("held", 1, 0)
 	c.pdb("held", 1)
 	c.waitHealthy("held", 1)
 	c.setCordon(w2, false)
+	c.setCordon(cp, false)
 	leader := *leaderLease(t, c.cluster).Spec.HolderIdentity
 
 	c.create("reboot", rebootSpec(w1))
