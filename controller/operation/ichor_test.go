@@ -418,8 +418,7 @@ func killAfterRollout(c *ichorCluster, old *controller, kill func()) {
 func TestDrainEvictsOwnPodLast(t *testing.T) {
 	c := newIchorWorld(t, sim.Cluster("", 1, 2))
 	cp, w1, w2 := c.fleet.Machines()[0].Name(), c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
-	// The controller's pods and the held pod on w1 (the controller
-	// tolerates the control plane's taint, for a shutdown's last step).
+	// The controller's pods and the held pod on w1.
 	c.setCordon(w2, true)
 	c.setCordon(cp, true)
 	c.install()
