@@ -4,8 +4,8 @@ package lock
 func ConfirmsWaiting(l *Lock, h Holder) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if c := l.confirms[h]; c != nil && c.next != nil {
-		return c.next.waiting
+	if next := l.confirms[h]; next != nil {
+		return next.waiting
 	}
 	return 0
 }

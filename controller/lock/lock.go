@@ -131,8 +131,9 @@ type Lock struct {
 	// makes that write conflict, and Confirm reads the Lease again).
 	mu   sync.Mutex
 	last *coordinationv1.Lease
-	// confirms are the Confirms under way, by holder (guarded by mu).
-	confirms map[Holder]*confirms
+	// confirms has an entry for each holder whose Confirm is under way: the
+	// round of Confirms that waits for it, nil while none does (guarded by mu).
+	confirms map[Holder]*confirmed
 }
 
 // remember keeps lease as the last one seen.
@@ -523,21 +524,21 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 // would each write the Lease, conflict with each other, and read it again.
 func (l *Lock) Confirm(ctx context.Context, h Holder) error {
 	l.mu.Lock()
-	c := l.confirms[h]
-	if c == nil {
+	next, underWay := l.confirms[h]
+	if !underWay {
 		if l.confirms == nil {
-			l.confirms = map[Holder]*confirms{}
+			l.confirms = map[Holder]*confirmed{}
 		}
-		l.confirms[h] = &confirms{}
+		l.confirms[h] = nil
 		l.mu.Unlock()
 		err := l.ConfirmSeen(ctx, h, l.lastSeen())
 		go l.confirmWaiters(context.WithoutCancel(ctx), h)
 		return err
 	}
-	if c.next == nil {
-		c.next = &confirmed{done: make(chan struct{})}
+	if next == nil {
+		next = &confirmed{done: make(chan struct{})}
+		l.confirms[h] = next
 	}
-	next := c.next
 	next.waiting++
 	l.mu.Unlock()
 	select {
@@ -553,25 +554,19 @@ func (l *Lock) Confirm(ctx context.Context, h Holder) error {
 func (l *Lock) confirmWaiters(ctx context.Context, h Holder) {
 	for {
 		l.mu.Lock()
-		next := l.confirms[h].next
+		next := l.confirms[h]
 		if next == nil {
 			delete(l.confirms, h)
 			l.mu.Unlock()
 			return
 		}
-		l.confirms[h].next = nil
+		l.confirms[h] = nil
 		l.mu.Unlock()
 		wctx, cancel := context.WithTimeout(ctx, confirmTimeout)
 		next.err = l.ConfirmSeen(wctx, h, l.lastSeen())
 		cancel()
 		close(next.done)
 	}
-}
-
-// confirms are the Confirms of one holder: one under way, and the round
-// that waits for it.
-type confirms struct {
-	next *confirmed
 }
 
 // confirmed is the answer to one round of Confirms.
