@@ -64,14 +64,21 @@ func metaKey(key uint32) (uint8, error) {
 	return uint8(key), nil
 }
 
+// metaCall is what MetaWrite and MetaDelete check first, in Talos's order:
+// the machine keeps META at all, then the key fits its tag.
+func metaCall(ctx context.Context, key uint32) (*Machine, uint8, error) {
+	m := callee(ctx)
+	if err := metaSupported(m); err != nil {
+		return nil, 0, err
+	}
+	t, err := metaKey(key)
+	return m, t, err
+}
+
 // MetaWrite stores a META key, durable once it answers (Talos flushes both
 // ADV copies and fsyncs), and mirrors it as the COSI MetaKey resource.
 func (s *machined) MetaWrite(ctx context.Context, in *machine.MetaWriteRequest) (*machine.MetaWriteResponse, error) {
-	m := callee(ctx)
-	if err := metaSupported(m); err != nil {
-		return nil, err
-	}
-	t, err := metaKey(in.Key)
+	m, t, err := metaCall(ctx, in.Key)
 	if err != nil {
 		return nil, err
 	}
@@ -89,11 +96,7 @@ func (s *machined) MetaWrite(ctx context.Context, in *machine.MetaWriteRequest) 
 
 // MetaDelete removes a META key; a key that is not there is NotFound.
 func (s *machined) MetaDelete(ctx context.Context, in *machine.MetaDeleteRequest) (*machine.MetaDeleteResponse, error) {
-	m := callee(ctx)
-	if err := metaSupported(m); err != nil {
-		return nil, err
-	}
-	t, err := metaKey(in.Key)
+	m, t, err := metaCall(ctx, in.Key)
 	if err != nil {
 		return nil, err
 	}
