@@ -67,8 +67,12 @@ func TestControllerRestarts(t *testing.T) {
 					t.Errorf("%s: %d upgrades, %d reboots, on %s; want 1, 1, v1.13.7", m.Name(), n, reboots, m.Version())
 				}
 			}
-			// inspect, etcd-health (cp), cordon, drain, install, [reboot], wait, uncordon
-			if restarts < 15 {
+			// inspect, etcd-health (cp), cordon, drain, install, [reboot], wait, uncordon:
+			// about 20 boundaries. A new controller can cross two before waitFor
+			// sees the first (two status writes within one poll), so the floor
+			// leaves room for a few of those and still catches a loop that
+			// stopped restarting.
+			if restarts < 12 {
 				t.Errorf("only %d restarts: the test did not stop the controller at each boundary", restarts)
 			}
 			t.Logf("%d controller restarts", restarts)
