@@ -126,8 +126,9 @@
 // k8s: the pod Talos renders, its command with the component's extraArgs
 // merged in) and the bootstrap Manifests Talos renders (namespace
 // controlplane: 10-kube-proxy with cluster.proxy.image while the proxy is
-// enabled, 11-core-dns and 11-core-dns-svc while CoreDNS is), all rendered
-// anew on a live configuration change.
+// enabled, 11-core-dns and 11-core-dns-svc while CoreDNS is, 99-<name> for
+// each of cluster.inlineManifests), all rendered anew on a live
+// configuration change.
 //
 // Disruptive sequences follow Talos's sequencer: COSI MachineStatus goes to
 // the sequence's stage (rebooting, upgrading, shutting down, resetting) when

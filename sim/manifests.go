@@ -1,10 +1,14 @@
 package sim
 
 import (
+	"bufio"
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/cosi-project/runtime/pkg/safe"
@@ -15,9 +19,11 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/utils/ptr"
 )
 
@@ -37,12 +43,18 @@ type manifest struct {
 // bootstrapManifests are the manifests Talos's ManifestController renders
 // from a control plane's configuration that the simulator models:
 // kube-proxy (10-kube-proxy, while cluster.proxy is enabled) and CoreDNS
-// (11-core-dns and 11-core-dns-svc, while cluster.coreDNS is enabled).
+// (11-core-dns and 11-core-dns-svc, while cluster.coreDNS is enabled),
+// and, as Talos's ExtraManifestController does, each of
+// cluster.inlineManifests (99-<name>, after the default manifests).
 // Talos also renders the kubelet bootstrap token, CSR RBAC, the in-cluster
-// kubeconfig, Talos's node RBAC, flannel and its ServiceAccount CRD; the
-// simulator leaves those out.
-func bootstrapManifests(c talosconfig.ClusterConfig) []manifest {
-	var out []manifest
+// kubeconfig, Talos's node RBAC, flannel, its ServiceAccount CRD and the
+// manifests it downloads (cluster.extraManifests); the simulator leaves
+// those out.
+//
+// An inline manifest that does not parse is in failed, with why: Talos's
+// ExtraManifestController fails its run and leaves that manifest's
+// resource as it was, while the default manifests render on.
+func bootstrapManifests(c talosconfig.ClusterConfig) (out []manifest, failed map[string]error) {
 	if c.CoreDNS().Enabled() {
 		ips, _ := c.Network().DNSServiceIPs()
 		ip := ""
@@ -56,7 +68,62 @@ func bootstrapManifests(c talosconfig.ClusterConfig) []manifest {
 	if c.Proxy().Enabled() {
 		out = append(out, manifest{"10-kube-proxy", kubeProxyObjects(c.Proxy().Image(), proxyArgs(c))})
 	}
-	return out
+	for _, m := range c.InlineManifests() {
+		id := "99-" + m.Name()
+		objs, err := parseManifest(m.Contents())
+		if err != nil {
+			if failed == nil {
+				failed = map[string]error{}
+			}
+			failed[id] = err
+			continue
+		}
+		out = append(out, manifest{id, objs})
+	}
+	return out, failed
+}
+
+// parseManifest reads a multi-document YAML manifest as Talos's manifest
+// adapter does (SetYAML): documents that are empty or only comments are
+// skipped, and a List is unwrapped into its items.
+func parseManifest(contents string) ([]kruntime.Object, error) {
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(strings.NewReader(contents)))
+	var out []kruntime.Object
+	for {
+		doc, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		doc = bytes.TrimSpace(doc)
+		if len(doc) == 0 {
+			continue
+		}
+		js, err := utilyaml.ToJSON(doc)
+		if err != nil {
+			return nil, fmt.Errorf("convert a document to JSON: %w", err)
+		}
+		if string(js) == "null" || string(js) == "{}" {
+			continue
+		}
+		obj := &unstructured.Unstructured{}
+		if err := json.Unmarshal(js, obj); err != nil {
+			return nil, fmt.Errorf("read a document as an object: %w", err)
+		}
+		if !obj.IsList() {
+			out = append(out, obj)
+			continue
+		}
+		err = obj.EachListItem(func(item kruntime.Object) error {
+			out = append(out, item)
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("unwrap a List: %w", err)
+		}
+	}
 }
 
 // renderManifests is Talos's ManifestController on a control plane: one
@@ -70,7 +137,12 @@ func (m *Machine) renderManifests() {
 	m.renderMu.Lock()
 	defer m.renderMu.Unlock()
 	rendered := map[string]bool{}
-	for _, mf := range bootstrapManifests(cfg.Cluster()) {
+	manifests, failed := bootstrapManifests(cfg.Cluster())
+	for id, err := range failed {
+		m.f.logf("%s: render manifest %s: %v", m.Name(), id, err)
+		rendered[id] = true
+	}
+	for _, mf := range manifests {
 		res := k8s.NewManifest(k8s.ControlPlaneNamespaceName, mf.id)
 		for _, obj := range mf.objs {
 			u, err := kruntime.DefaultUnstructuredConverter.ToUnstructured(obj)

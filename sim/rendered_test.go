@@ -2,7 +2,9 @@ package sim_test
 
 import (
 	"context"
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	kruntime "k8s.io/apimachinery/pkg/runtime"
 
 	"maesh.dev/ichor/internal/testenv"
@@ -131,4 +134,78 @@ func TestRenderedResources(t *testing.T) {
 	if err != nil || !slices.Contains(ks.TypedSpec().Args, "--containerd=/run/containerd.sock") {
 		t.Errorf("KubeletSpec args %v, %v", ks.TypedSpec().Args, err)
 	}
+}
+
+// TestInlineManifestsRendered: as Talos's ExtraManifestController, each of
+// cluster.inlineManifests is a bootstrap Manifest 99-<name> holding its
+// documents (comment-only documents skipped, a List unwrapped); one that
+// no longer parses keeps what it rendered while the others render on, and
+// one removed from the configuration is removed.
+func TestInlineManifestsRendered(t *testing.T) {
+	f := start(t, fleetSpec(t, 1, 0))
+	cp := f.Machines()[0]
+	c := talos(t, f)
+	ctx := client.WithNode(context.Background(), cp.Address())
+	a := newConfigApply(t, f, cp)
+	setInline := func(manifests ...v1alpha1.ClusterInlineManifest) {
+		t.Helper()
+		if _, err := a.apply(machine.ApplyConfigurationRequest_NO_REBOOT, false, func(cfg *v1alpha1.Config) {
+			cfg.ClusterConfig.ClusterInlineManifests = manifests
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// names reads the objects' names of each rendered 99- manifest.
+	names := func() map[string][]string {
+		list, err := safe.StateListAll[*k8s.Manifest](ctx, c.COSI)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string][]string{}
+		for m := range list.All() {
+			if id := m.Metadata().ID(); strings.HasPrefix(id, "99-") {
+				out[id] = []string{}
+				for _, it := range m.TypedSpec().Items {
+					o := unstructured.Unstructured{Object: it.Object}
+					out[id] = append(out[id], o.GetKind()+"/"+o.GetName())
+				}
+			}
+		}
+		return out
+	}
+	waitNames := func(what string, want map[string][]string) {
+		t.Helper()
+		testenv.Eventually(t, 10*time.Second, what, func(context.Context) (bool, error) {
+			return reflect.DeepEqual(names(), want), nil
+		})
+	}
+
+	extra := v1alpha1.ClusterInlineManifest{InlineManifestName: "extra", InlineManifestContents: `
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: one, namespace: default}
+---
+# only a comment
+---
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: two, namespace: default}
+- apiVersion: v1
+  kind: Secret
+  metadata: {name: three, namespace: default}
+`}
+	setInline(extra)
+	waitNames("99-extra with its three objects", map[string][]string{"99-extra": {"ConfigMap/one", "ConfigMap/two", "Secret/three"}})
+
+	broken := v1alpha1.ClusterInlineManifest{InlineManifestName: "extra", InlineManifestContents: "kind: [unclosed"}
+	more := v1alpha1.ClusterInlineManifest{InlineManifestName: "more", InlineManifestContents: "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: four, namespace: default}\n"}
+	setInline(broken, more)
+	waitNames("99-more beside 99-extra as it was", map[string][]string{
+		"99-extra": {"ConfigMap/one", "ConfigMap/two", "Secret/three"}, "99-more": {"ConfigMap/four"}})
+
+	setInline()
+	waitNames("no inline manifest", map[string][]string{})
 }
