@@ -20,8 +20,10 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/bootstrap"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/machineconfig"
+	"maesh.dev/ichor/controller/plan"
 	"maesh.dev/ichor/controller/talos"
 )
 
@@ -93,8 +95,47 @@ func (KubernetesUpgrade) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) 
 // HonourHold implements Executor.
 func (KubernetesUpgrade) HonourHold() bool { return true }
 
-// Check implements Executor: the version checks are preflight's.
-func (KubernetesUpgrade) Check(context.Context, *Env) []string { return nil }
+// Check implements Executor. The version checks are preflight's; the
+// kind's own is that the controller may apply every object of the
+// bootstrap manifests its sync will apply (a manifest added to
+// cluster.inlineManifests, say, that the shipped RBAC does not name): a
+// missing grant then refuses the upgrade before any component moves,
+// instead of stopping it in the bootstrap-manifests stage once the control
+// planes run the new version. It asks once, on the control plane that
+// will run the sync, about what that machine renders now: the upgrade
+// changes those objects' images, not which objects they are.
+func (KubernetesUpgrade) Check(ctx context.Context, e *Env) []string {
+	stage := manifestsStage()
+	if syncer, _ := plan.InStage(e.Op.Status.Machines, &stage); len(syncer) == 0 || syncer[0].Name != e.Machine.Name {
+		return nil
+	}
+	if err := e.requireAddress(); err != nil {
+		return []string{err.Error()}
+	}
+	active, err := configMachine(e).Active(ctx)
+	if err != nil {
+		return []string{fmt.Sprintf("read the configuration of %s: %v", e.Machine.Name, err)}
+	}
+	if proxyDisabled(active) != "" {
+		return nil // no sync: the stage is done at once
+	}
+	objs, err := bootstrap.Read(talosclient.WithNode(ctx, e.Address), e.Talos.COSI)
+	if err != nil {
+		return []string{fmt.Sprintf("%s: %v; once it answers, create the operation again", e.Machine.Name, err)}
+	}
+	denied, err := bootstrap.Denied(ctx, e.Live.RESTMapper(), e.Clientset.AuthorizationV1().SelfSubjectAccessReviews(), objs)
+	if err != nil {
+		return []string{err.Error()}
+	}
+	if len(denied) == 0 {
+		return nil
+	}
+	return []string{fmt.Sprintf("the sync of the bootstrap manifests %s renders would be refused on %s: "+
+		"grant the controller's ServiceAccount those verbs on them by name (a Role or ClusterRole bound to it, "+
+		"as the shipped ichor-controller-kubernetes roles do for Talos's own), or remove them from the control planes' "+
+		"configuration (cluster.inlineManifests, cluster.extraManifests); then create the operation again",
+		e.Machine.Name, strings.Join(denied, ", "))}
+}
 
 // Stages implements Stager.
 func (KubernetesUpgrade) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
@@ -108,9 +149,15 @@ func (KubernetesUpgrade) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatu
 		{Name: StageControllerManager, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageScheduler, Roles: cp, Order: ichorv1.StageOneAtATime},
 		{Name: StageKubeProxy, Roles: cp, Order: ichorv1.StageOneAtATime},
-		{Name: StageManifests, Roles: cp, Order: ichorv1.StageOnce},
+		manifestsStage(),
 		{Name: StageKubelet, Order: ichorv1.StageRolling},
 	}...)
+}
+
+// manifestsStage syncs the bootstrap manifests, once, on the first control
+// plane.
+func manifestsStage() ichorv1.StageStatus {
+	return ichorv1.StageStatus{Name: StageManifests, Roles: []ichorv1.MachineRole{ichorv1.RoleControlPlane}, Order: ichorv1.StageOnce}
 }
 
 // Steps implements Executor.

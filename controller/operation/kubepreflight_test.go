@@ -84,15 +84,7 @@ func TestKubernetesPreflight(t *testing.T) {
 // API, as an operator's talosctl would, and waits until it is active.
 func applyNoReboot(t *testing.T, f *sim.Fleet, m *sim.Machine, fn func(*v1alpha1.Config)) {
 	t.Helper()
-	cfg, err := f.ClientConfig(role.Admin)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(cfg))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tc.Close()
+	tc := adminTalos(t, f)
 	ctx, cancel := context.WithTimeout(talosclient.WithNode(context.Background(), m.Address()), 30*time.Second)
 	defer cancel()
 	mc, err := safe.StateGetByID[*configres.MachineConfig](ctx, tc.COSI, configres.ActiveID)
@@ -126,4 +118,20 @@ func applyNoReboot(t *testing.T, f *sim.Fleet, m *sim.Machine, fn func(*v1alpha1
 		}
 		return len(want) == 0, nil
 	})
+}
+
+// adminTalos is a Talos client of the fleet with the os:admin role, as an
+// operator's talosctl; it is closed when the test ends.
+func adminTalos(t *testing.T, f *sim.Fleet) *talosclient.Client {
+	t.Helper()
+	cfg, err := f.ClientConfig(role.Admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tc.Close() })
+	return tc
 }

@@ -159,7 +159,6 @@ func TestKubeProxyStageFaultAndRetry(t *testing.T) {
 	t.Cleanup(func() { removeBootstrapManifests(t) })
 	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 3)
 	cp1 := c.fleet.Machines()[0]
-	cp1.Inject(sim.Fault{Kind: sim.FaultError, Method: "State/List", Code: codes.PermissionDenied})
 	var mu sync.Mutex
 	patches := map[string]int{}
 	// kubelets is kube-proxy's DaemonSet when the kubelet stage patched its
@@ -181,6 +180,9 @@ func TestKubeProxyStageFaultAndRetry(t *testing.T) {
 	testcluster.StartController(t, env.Config, o)
 	const to = "v1.35.1"
 	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}})
+	// The fault comes once preflight, which reads the manifests too, passed.
+	c.waitFor("k8s", "to pass preflight", time.Minute, func(op *ichorv1.TalosOperation) bool { return op.Status.Stage != "" })
+	cp1.Inject(sim.Fault{Kind: sim.FaultError, Method: "State/List", Code: codes.PermissionDenied})
 
 	op := c.waitFor("k8s", "to fail", 2*time.Minute, (*ichorv1.TalosOperation).StepFailed)
 	failed := op.Status.FailedMachine()

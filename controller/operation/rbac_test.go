@@ -2,18 +2,27 @@ package operation_test
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/cosi-project/runtime/pkg/safe"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
+	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/inventory"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -110,6 +119,70 @@ func TestKubernetesRBAC(t *testing.T) {
 		{[]string{"escalate", "clusterroles/system:coredns"}, "no"},
 		{[]string{"patch", "clusterrolebindings/cluster-admin"}, "no"},
 	})
+}
+
+// TestKubernetesRBACCheckedFirst: a bootstrap manifest the shipped RBAC
+// does not name (an inline manifest's ConfigMap) refuses the upgrade before
+// anything moves, naming the object, the verbs it lacks and what to do;
+// once the controller is granted them, the same upgrade syncs the manifest.
+func TestKubernetesRBACCheckedFirst(t *testing.T) {
+	ctx := context.Background()
+	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+		t.Fatal(err)
+	}
+	spec := sim.Cluster("", 1, 1)
+	spec.KubeProxy = true
+	c := newClusterIn(t, spec, ichorv1.DefaultNamespace)
+	c.writeTalosconfig()
+	t.Cleanup(func() {
+		removeBootstrapManifests(t)
+		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
+	})
+	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 2)
+	cp := c.fleet.ControlPlanes()[0]
+	const extra = "ichor-test-extra"
+	applyNoReboot(t, c.fleet, cp, func(cfg *v1alpha1.Config) {
+		cfg.ClusterConfig.ClusterInlineManifests = v1alpha1.ClusterInlineManifests{{InlineManifestName: "extra",
+			InlineManifestContents: "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: " + extra + ", namespace: " + c.ns + "}\ndata: {a: b}\n"}}
+	})
+	tc := adminTalos(t, c.fleet)
+	testenv.Eventually(t, 30*time.Second, "Talos to render the inline manifest", func(context.Context) (bool, error) {
+		_, err := safe.StateGetByID[*k8s.Manifest](talosclient.WithNode(ctx, cp.Address()), tc.COSI, "99-extra")
+		return err == nil, nil
+	})
+	c.start(as(controllerSA, "system:serviceaccounts", "system:serviceaccounts:ichor-system", "system:authenticated"), withLeaderElection())
+	const to = "v1.35.1"
+	k8sSpec := ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}}
+	c.create("k8s", k8sSpec)
+	op := c.waitFor("k8s", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
+	cond := meta.FindStatusCondition(op.Status.Conditions, operation.CheckActionAllowed)
+	want := fmt.Sprintf("ConfigMap %s/%s (get, patch, create)", c.ns, extra)
+	if cond == nil || !strings.Contains(cond.Message, want) || !strings.Contains(cond.Message, cp.Name()) || !strings.Contains(cond.Message, "grant the controller's ServiceAccount") {
+		t.Fatalf("condition %s = %+v, want a message naming %s and %q and what to do", operation.CheckActionAllowed, cond, cp.Name(), want)
+	}
+	for _, call := range []string{"ApplyConfiguration", "ImagePull"} {
+		if n := c.fleet.Recorder().Calls("", call); n > 1 || (n == 1 && call != "ApplyConfiguration") { // the test's own apply
+			t.Errorf("a refused operation called %s %d times", call, n)
+		}
+	}
+
+	// Granted by name, the same upgrade syncs it.
+	grant := []client.Object{
+		&rbacv1.Role{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: extra}, Rules: []rbacv1.PolicyRule{{
+			APIGroups: []string{""}, Resources: []string{"configmaps"}, ResourceNames: []string{extra}, Verbs: []string{"get", "patch", "create"}}}},
+		&rbacv1.RoleBinding{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: extra},
+			RoleRef:  rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: extra},
+			Subjects: []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: ichorv1.DefaultNamespace, Name: "ichor-controller"}}},
+	}
+	for _, o := range grant {
+		c.createObject(o)
+	}
+	c.create("k8s-granted", k8sSpec)
+	c.waitSucceeded("k8s-granted", 3*time.Minute)
+	cm := &corev1.ConfigMap{}
+	if err := env.Client.Get(ctx, keyOf(c.ns, extra), cm); err != nil || cm.Data["a"] != "b" {
+		t.Errorf("the inline manifest's ConfigMap after the sync: %v %v", err, cm.Data)
+	}
 }
 
 // canI is a question to `kubectl auth can-i` about the controller's
