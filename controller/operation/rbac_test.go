@@ -85,18 +85,7 @@ func TestControllerRBAC(t *testing.T) {
 // escalate, no bind of another role.
 func TestKubernetesRBAC(t *testing.T) {
 	ctx := context.Background()
-	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
-		t.Fatal(err)
-	}
-	spec := sim.Cluster("", 1, 1)
-	spec.KubeProxy = true
-	c := newClusterIn(t, spec, ichorv1.DefaultNamespace)
-	c.writeTalosconfig()
-	t.Cleanup(func() {
-		removeBootstrapManifests(t)
-		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
-	})
-	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 2)
+	c := newShippedRBACCluster(t)
 	c.start(as(controllerSA, "system:serviceaccounts", "system:serviceaccounts:ichor-system", "system:authenticated"), withLeaderElection())
 	const to = "v1.35.1"
 	c.create("k8s", ichorv1.TalosOperationSpec{Kind: ichorv1.KindKubernetes, Kubernetes: &ichorv1.KubernetesUpgrade{Version: to}})
@@ -127,18 +116,7 @@ func TestKubernetesRBAC(t *testing.T) {
 // once the controller is granted them, the same upgrade syncs the manifest.
 func TestKubernetesRBACCheckedFirst(t *testing.T) {
 	ctx := context.Background()
-	if _, _, err := env.Kubectl(ctx, nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
-		t.Fatal(err)
-	}
-	spec := sim.Cluster("", 1, 1)
-	spec.KubeProxy = true
-	c := newClusterIn(t, spec, ichorv1.DefaultNamespace)
-	c.writeTalosconfig()
-	t.Cleanup(func() {
-		removeBootstrapManifests(t)
-		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
-	})
-	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 2)
+	c := newShippedRBACCluster(t)
 	cp := c.fleet.ControlPlanes()[0]
 	const extra = "ichor-test-extra"
 	applyNoReboot(t, c.fleet, cp, func(cfg *v1alpha1.Config) {
@@ -183,6 +161,27 @@ func TestKubernetesRBACCheckedFirst(t *testing.T) {
 	if err := env.Client.Get(ctx, keyOf(c.ns, extra), cm); err != nil || cm.Data["a"] != "b" {
 		t.Errorf("the inline manifest's ConfigMap after the sync: %v %v", err, cm.Data)
 	}
+}
+
+// newShippedRBACCluster is a control plane and a worker running
+// kube-proxy 1.35.0, with the shipped manifests (RBAC included) applied and
+// the talosconfig in the controller's namespace, for a controller started
+// as its ServiceAccount.
+func newShippedRBACCluster(t *testing.T) *cluster {
+	t.Helper()
+	if _, _, err := env.Kubectl(context.Background(), nil, "apply", "--server-side", "--force-conflicts", "-k", filepath.Join(env.Root, "manifests")); err != nil {
+		t.Fatal(err)
+	}
+	spec := sim.Cluster("", 1, 1)
+	spec.KubeProxy = true
+	c := newClusterIn(t, spec, ichorv1.DefaultNamespace)
+	c.writeTalosconfig()
+	t.Cleanup(func() {
+		removeBootstrapManifests(t)
+		_ = env.Client.Delete(context.Background(), &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
+	})
+	waitKubeProxy(t, "registry.k8s.io/kube-proxy:v1.35.0", 2)
+	return c
 }
 
 // canI is a question to `kubectl auth can-i` about the controller's
