@@ -260,9 +260,13 @@
 //
 // Kubeconfig on a control plane returns, as Talos does, a tar.gz holding
 // "kubeconfig": an admin kubeconfig named after the configuration's cluster
-// (cluster <name>, context and user admin@<name>), for Spec.APIServer with
-// its credentials (Talos signs a new admin certificate with the cluster CA).
-// Workers answer Unimplemented.
+// (cluster <name>, context and user admin@<name>). On a hosted fleet it is
+// Talos's: a new admin certificate from the machine's cluster.ca, trusting
+// cluster.acceptedCAs then cluster.ca, for the fleet's endpoint, so it
+// follows a Kubernetes CA rotation; otherwise it is for Spec.APIServer with
+// its credentials. Workers answer Unimplemented. A change of cluster.ca or
+// cluster.acceptedCAs restarts the kubelet (Talos's secrets.Kubelet
+// changes), as a change of machine.kubelet does.
 //
 // # Faults
 //

@@ -17,7 +17,6 @@ import (
 
 	"github.com/siderolabs/crypto/x509"
 	"github.com/siderolabs/talos/pkg/machinery/config"
-	"github.com/siderolabs/talos/pkg/machinery/constants"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
 	"k8s.io/client-go/kubernetes"
@@ -25,6 +24,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"maesh.dev/ichor/internal/controlplane"
+	"maesh.dev/ichor/internal/kubepki"
 )
 
 // Hosted makes the control planes host the Kubernetes API (Spec.Hosted):
@@ -86,28 +86,7 @@ func newHosting(f *Fleet) (*hosting, error) {
 // AdminCertificate is an admin client certificate from a Kubernetes CA,
 // as Talos's kubeconfig generator issues it (CN admin, O system:masters).
 func AdminCertificate(ca *x509.PEMEncodedCertificateAndKey) (*x509.PEMEncodedCertificateAndKey, error) {
-	return kubeClientCertificate(ca, constants.KubernetesAdminCertCommonName, constants.KubernetesAdminCertOrganization)
-}
-
-// kubeClientCertificate is a client certificate from a Kubernetes CA, as
-// Talos's kubeconfig generator (pkg/kubeconfig) issues it.
-func kubeClientCertificate(ca *x509.PEMEncodedCertificateAndKey, commonName, organization string) (*x509.PEMEncodedCertificateAndKey, error) {
-	auth, err := x509.NewCertificateAuthorityFromCertificateAndKey(ca)
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes CA: %w", err)
-	}
-	kp, err := x509.NewKeyPair(auth,
-		x509.CommonName(commonName),
-		x509.Organization(organization),
-		x509.NotBefore(time.Now().Add(-time.Minute)),
-		x509.NotAfter(time.Now().Add(365*24*time.Hour)),
-		x509.KeyUsage(stdx509.KeyUsageDigitalSignature|stdx509.KeyUsageKeyEncipherment),
-		x509.ExtKeyUsage([]stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("%s certificate: %w", commonName, err)
-	}
-	return &x509.PEMEncodedCertificateAndKey{Crt: kp.CrtPEM, Key: kp.KeyPEM}, nil
+	return kubepki.Admin(ca)
 }
 
 // config is an admin REST config for the endpoint.

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	stdx509 "crypto/x509"
 	"encoding/base64"
 	"encoding/json"
+	"encoding/pem"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -25,6 +28,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -344,6 +348,8 @@ func authenticatesWith(t *testing.T, cp *sim.Machine, serverCA []byte, clientCA 
 // cluster.ca and accepts clients of cluster.ca and cluster.acceptedCAs,
 // through Talos's rotation (accept the new CA, swap, drop the old one):
 // once the old CA is dropped, a client certificate it issued is refused.
+// The machine's Kubeconfig follows each stage, and each restarts the
+// kubelet.
 func TestHostedKubernetesCA(t *testing.T) {
 	f, _ := hostedFleet(t, 1)
 	cp := f.ControlPlanes()[0]
@@ -360,11 +366,47 @@ func TestHostedKubernetesCA(t *testing.T) {
 			t.Errorf("%s: accepted %v, %v; want accepted %v", step, ok, err, accepted)
 		}
 	}
+	// The Kubeconfig call follows, as Talos's: a certificate from cluster.ca
+	// now, trusting cluster.acceptedCAs and cluster.ca; and every stage
+	// restarts the kubelet once.
+	tc := talos(t, f)
+	restarts := cp.KubeletRestarts()
+	kubeconfigFrom := func(step string, issuer []byte, trusts ...[]byte) {
+		t.Helper()
+		if n := cp.KubeletRestarts(); n != restarts+1 {
+			t.Errorf("%s: the kubelet restarted %d times, want once", step, n-restarts)
+		}
+		restarts = cp.KubeletRestarts()
+		data, err := tc.Kubeconfig(on(cp))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rc, err := clientcmd.RESTConfigFromKubeConfig(data)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(rc.CAData) != string(bytes.Join(trusts, nil)) {
+			t.Errorf("%s: the kubeconfig trusts\n%s\nwant\n%s", step, rc.CAData, bytes.Join(trusts, nil))
+		}
+		if err := issuedBy(rc.CertData, issuer); err != nil {
+			t.Errorf("%s: the kubeconfig's certificate: %v", step, err)
+		}
+		kc, err := kubernetes.NewForConfig(rc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := timeout()
+		defer cancel()
+		if _, err := kc.AuthenticationV1().SelfSubjectReviews().Create(ctx, &authenticationv1.SelfSubjectReview{}, metav1.CreateOptions{}); err != nil {
+			t.Errorf("%s: the kubeconfig does not work: %v", step, err)
+		}
+	}
 
 	applyAll(t, f, func(cfg *v1alpha1.Config) {
 		cfg.ClusterConfig.ClusterAcceptedCAs = []*x509.PEMEncodedCertificate{{Crt: newCA.Crt}}
 	})
 	want("new CA accepted: old client", oldCA.Crt, oldCA, true)
+	kubeconfigFrom("new CA accepted", oldCA.Crt, newCA.Crt, oldCA.Crt)
 	want("new CA accepted: new client", oldCA.Crt, newCA, true)
 
 	applyAll(t, f, func(cfg *v1alpha1.Config) {
@@ -376,10 +418,30 @@ func TestHostedKubernetesCA(t *testing.T) {
 	}
 	want("swapped: old client", newCA.Crt, oldCA, true)
 	want("swapped: new client", newCA.Crt, newCA, true)
+	kubeconfigFrom("swapped", newCA.Crt, oldCA.Crt, newCA.Crt)
 
 	applyAll(t, f, func(cfg *v1alpha1.Config) {
 		cfg.ClusterConfig.ClusterAcceptedCAs = nil
 	})
 	want("old CA dropped: old client", newCA.Crt, oldCA, false)
 	want("old CA dropped: new client", newCA.Crt, newCA, true)
+	kubeconfigFrom("old CA dropped", newCA.Crt, newCA.Crt)
+}
+
+// issuedBy checks that the PEM certificate crt verifies with the PEM CA.
+func issuedBy(crt, ca []byte) error {
+	pool := stdx509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return errors.New("no CA")
+	}
+	blk, _ := pem.Decode(crt)
+	if blk == nil {
+		return errors.New("no certificate")
+	}
+	c, err := stdx509.ParseCertificate(blk.Bytes)
+	if err != nil {
+		return err
+	}
+	_, err = c.Verify(stdx509.VerifyOptions{Roots: pool, KeyUsages: []stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}})
+	return err
 }

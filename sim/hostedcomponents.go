@@ -22,6 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"maesh.dev/ichor/internal/controlplane"
+	"maesh.dev/ichor/internal/kubepki"
 )
 
 // HostedComponents says which of Talos's other control-plane static pods
@@ -338,7 +339,7 @@ func (c *component) render(dir string, in componentInput) ([]string, error) {
 // name and organization), the server its local endpoint (KubePrism's,
 // here the fleet's), trusting cluster.acceptedCAs and cluster.ca.
 func componentKubeconfig(in componentInput, user, server string) ([]byte, error) {
-	crt, err := kubeClientCertificate(&x509.PEMEncodedCertificateAndKey{Crt: in.ca, Key: in.caKey}, user, user)
+	crt, err := kubepki.ClientCertificate(&x509.PEMEncodedCertificateAndKey{Crt: in.ca, Key: in.caKey}, user, user)
 	if err != nil {
 		return nil, err
 	}

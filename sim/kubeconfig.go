@@ -4,25 +4,32 @@ import (
 	"archive/tar"
 	"bytes"
 	"compress/gzip"
+	"errors"
 	"os"
 	"time"
 
 	"github.com/siderolabs/talos/pkg/machinery/api/common"
+	"github.com/siderolabs/talos/pkg/machinery/config"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/emptypb"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"maesh.dev/ichor/internal/kubepki"
 )
 
 // Kubeconfig answers on a control plane with an admin kubeconfig for the
 // cluster's API server, as Talos does: one message holding a tar.gz with
 // one file, "kubeconfig" (mode 0600), whose cluster, user and context are
 // named <cluster>, admin@<cluster> and admin@<cluster> after the machine
-// configuration's cluster name, in namespace default. Talos signs a fresh
-// admin certificate with the cluster CA; here the API server is the one
-// Spec.APIServer names, and its credentials are those.
+// configuration's cluster name, in namespace default. On a hosted fleet
+// it is Talos's (pkg/kubeconfig GenerateAdmin, 1.13): a new admin
+// certificate from the machine's cluster.ca, trusting cluster.acceptedCAs
+// then cluster.ca, for the fleet's endpoint; so it follows a Kubernetes CA
+// rotation. Otherwise the API server is the one Spec.APIServer names, and
+// its credentials are those.
 func (s *machined) Kubeconfig(_ *emptypb.Empty, srv grpc.ServerStreamingServer[common.Data]) error {
 	m := callee(srv.Context())
 	if err := checkControlPlane(m, "kubeconfig"); err != nil {
@@ -32,7 +39,13 @@ func (s *machined) Kubeconfig(_ *emptypb.Empty, srv grpc.ServerStreamingServer[c
 	if api == nil {
 		return status.Error(codes.FailedPrecondition, "this simulated cluster has no API server (sim.Spec.APIServer is not set)")
 	}
-	data, err := adminKubeconfig(m.Config().Cluster().Name(), api.Host, api.CAData, api.CAFile, api.CertData, api.KeyData, api.BearerToken)
+	var data []byte
+	var err error
+	if m.f.hosting != nil {
+		data, err = hostedKubeconfig(m.Config(), api.Host)
+	} else {
+		data, err = adminKubeconfig(m.Config().Cluster().Name(), api.Host, api.CAData, api.CAFile, api.CertData, api.KeyData, api.BearerToken)
+	}
 	if err != nil {
 		return status.Errorf(codes.Internal, "generate kubeconfig: %v", err)
 	}
@@ -67,4 +80,23 @@ func adminKubeconfig(cluster, server string, ca []byte, caFile string, cert, key
 		CurrentContext: user,
 	}
 	return clientcmd.Write(cfg)
+}
+
+// hostedKubeconfig is Talos's admin kubeconfig of cfg for server.
+func hostedKubeconfig(cfg config.Provider, server string) ([]byte, error) {
+	c := cfg.Cluster()
+	ca := c.IssuingCA()
+	if ca == nil || len(ca.Key) == 0 {
+		return nil, errors.New("issuing CA is not set")
+	}
+	crt, err := kubepki.Admin(ca)
+	if err != nil {
+		return nil, err
+	}
+	var trust []byte
+	for _, a := range c.AcceptedCAs() {
+		trust = append(trust, a.Crt...)
+	}
+	trust = append(trust, ca.Crt...)
+	return adminKubeconfig(c.Name(), server, trust, "", crt.Crt, crt.Key, "")
 }

@@ -66,7 +66,10 @@ type Machine struct {
 	images     map[string]string
 
 	kubeletRunning bool
-	node           nodeSync // the labels, annotations and taints put on the Node
+	// kubeletRestarts counts the kubelet's restarts while the machine ran
+	// (ServiceRestart and configuration changes, not boots).
+	kubeletRestarts int
+	node            nodeSync // the labels, annotations and taints put on the Node
 
 	memberID        uint64
 	etcdRunning     bool
@@ -180,6 +183,16 @@ func (m *Machine) KubeletVersion() string {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return imageTag(m.cfg.RawV1Alpha1().Machine().Kubelet().Image())
+}
+
+// KubeletRestarts is how many times the kubelet restarted while the
+// machine ran (a ServiceRestart, or a configuration change of its inputs:
+// machine.kubelet, cluster.ca, cluster.acceptedCAs and the rest), boots
+// not counted.
+func (m *Machine) KubeletRestarts() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.kubeletRestarts
 }
 
 // Config is the active machine configuration.
@@ -605,6 +618,7 @@ func (m *Machine) restartService(id string) {
 	ctx := m.bootCtx
 	if id == "kubelet" {
 		m.kubeletRunning = false
+		m.kubeletRestarts++
 	}
 	m.mu.Unlock()
 	m.destroy(serviceMetadata(id))

@@ -209,6 +209,11 @@ type kubeletInputs struct {
 	cloudProvider bool
 	diskQuota     bool
 	scheduleOnCP  bool
+	// kubernetesCAs is the secrets.Kubelet resource's AcceptedCAs (Talos
+	// 1.13: cluster.ca's certificate, then cluster.acceptedCAs): the
+	// KubeletServiceController restarts the kubelet when it changes, so
+	// each stage of a Kubernetes CA rotation restarts it.
+	kubernetesCAs string
 }
 
 func kubeletInputsOf(cfg config.Provider) kubeletInputs {
@@ -226,6 +231,12 @@ func kubeletInputsOf(cfg config.Provider) kubeletInputs {
 		in.dnsServiceIPs = fmt.Sprint(ips)
 		in.cloudProvider = c.ExternalCloudProvider().Enabled()
 		in.scheduleOnCP = c.ScheduleOnControlPlanes()
+		if ca := c.IssuingCA(); ca != nil {
+			in.kubernetesCAs = string(ca.Crt)
+		}
+		for _, a := range c.AcceptedCAs() {
+			in.kubernetesCAs += string(a.Crt)
+		}
 	}
 	return in
 }
