@@ -92,11 +92,18 @@ const (
 // certificates) with the credentials its stage needs, made from what
 // CARotationSecret holds; Secret ichor-talosconfig is replaced once the
 // new client certificate has answered on every machine. The Kubernetes CA
-// is not rotated yet.
+// follows, in the same three stages on cluster.ca and cluster.acceptedCAs
+// (kubernetesca.go).
 type CARotation struct{}
 
 // Target implements Executor.
-func (CARotation) Target(*ichorv1.TalosOperation) (string, string) {
+func (CARotation) Target(op *ichorv1.TalosOperation) (string, string) {
+	switch talosCA, kubernetesCA := rotates(op); {
+	case talosCA && kubernetesCA:
+		return "talos api and kubernetes ca rotation", ""
+	case kubernetesCA:
+		return "kubernetes ca rotation", ""
+	}
 	return "talos api ca rotation", ""
 }
 
@@ -115,30 +122,44 @@ func (CARotation) HonourHold() bool { return false }
 // Check implements Executor.
 func (CARotation) Check(_ context.Context, e *Env) []string {
 	var out []string
-	if ca := e.Op.Spec.CARotation; ca == nil || ca.Kubernetes == nil || *ca.Kubernetes {
-		out = append(out, "rotating the Kubernetes CA is not carried out yet; set spec.caRotation.kubernetes: false (`kubectl ichor rotate ca --talos`)")
-	}
-	if ca := e.Op.Spec.CARotation; ca != nil && ca.Talos != nil && !*ca.Talos {
-		out = append(out, "spec.caRotation.talos is false: this controller rotates only the Talos API CA")
-	}
 	if e.Node != nil && !machine.Ready(e.Node) {
 		out = append(out, fmt.Sprintf("%s is not Ready: every machine takes each stage of a CA rotation, so bring it back first", e.Machine.Name))
 	}
 	return out
 }
 
-// Stages implements Stager.
-func (CARotation) Stages(*ichorv1.TalosOperation) []ichorv1.StageStatus {
-	cp := []ichorv1.MachineRole{ichorv1.RoleControlPlane}
-	return []ichorv1.StageStatus{
-		{Name: StageCAPrepare, Roles: cp, Order: ichorv1.StageOnce},
-		{Name: StageCAAccept, Order: ichorv1.StageOneAtATime},
-		{Name: StageCAAccepted, Roles: cp, Order: ichorv1.StageOnce},
-		{Name: StageCASwap, Order: ichorv1.StageOneAtATime},
-		{Name: StageCASwapped, Roles: cp, Order: ichorv1.StageOnce},
-		{Name: StageCADrop, Order: ichorv1.StageOneAtATime},
-		{Name: StageCADropped, Roles: cp, Order: ichorv1.StageOnce},
+// rotates says which CAs op rotates (each true unless set false, as the
+// API's defaults).
+func rotates(op *ichorv1.TalosOperation) (talosCA, kubernetesCA bool) {
+	ca := op.Spec.CARotation
+	if ca == nil {
+		return true, true
 	}
+	return ca.Talos == nil || *ca.Talos, ca.Kubernetes == nil || *ca.Kubernetes
+}
+
+// Stages implements Stager: the Talos API CA's stages, then the
+// Kubernetes CA's (its patches go through the Talos API, with the
+// credentials the first rotation left in Secret ichor-talosconfig).
+func (CARotation) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
+	cp := []ichorv1.MachineRole{ichorv1.RoleControlPlane}
+	var out []ichorv1.StageStatus
+	talosCA, kubernetesCA := rotates(op)
+	if talosCA {
+		out = append(out,
+			ichorv1.StageStatus{Name: StageCAPrepare, Roles: cp, Order: ichorv1.StageOnce},
+			ichorv1.StageStatus{Name: StageCAAccept, Order: ichorv1.StageOneAtATime},
+			ichorv1.StageStatus{Name: StageCAAccepted, Roles: cp, Order: ichorv1.StageOnce},
+			ichorv1.StageStatus{Name: StageCASwap, Order: ichorv1.StageOneAtATime},
+			ichorv1.StageStatus{Name: StageCASwapped, Roles: cp, Order: ichorv1.StageOnce},
+			ichorv1.StageStatus{Name: StageCADrop, Order: ichorv1.StageOneAtATime},
+			ichorv1.StageStatus{Name: StageCADropped, Roles: cp, Order: ichorv1.StageOnce},
+		)
+	}
+	if kubernetesCA {
+		out = append(out, k8sCAStages()...)
+	}
+	return out
 }
 
 // Steps implements Executor.
@@ -159,7 +180,7 @@ func (CARotation) Steps(op *ichorv1.TalosOperation, _ *ichorv1.MachineStatus) []
 	case StageCADropped:
 		return []Step{verifyCAStep(credsNew, false, true)}
 	}
-	return nil
+	return k8sCASteps(op.Status.Stage)
 }
 
 // caState is what CARotationSecret holds.
@@ -228,18 +249,10 @@ func (s *caState) oldCertConfig() (*clientconfig.Config, error) {
 // readCAState reads the operation's state, or nil when there is none (or it
 // is another operation's).
 func readCAState(ctx context.Context, e *Env) (*caState, error) {
-	sec := &corev1.Secret{}
-	err := e.Live.Get(ctx, client.ObjectKey{Namespace: e.Controller.Namespace, Name: CARotationSecret}, sec)
-	if apierrors.IsNotFound(err) {
-		return nil, nil
+	d, err := readRotationSecret(ctx, e, CARotationSecret)
+	if d == nil || err != nil {
+		return nil, err
 	}
-	if err != nil {
-		return nil, fmt.Errorf("read Secret %s/%s: %w", e.Controller.Namespace, CARotationSecret, err)
-	}
-	if sec.Annotations[caAnnotationUID] != string(e.Op.UID) {
-		return nil, nil
-	}
-	d := sec.Data
 	before, err := clientconfig.FromBytes(d[caKeyTalosconfig])
 	if err != nil {
 		return nil, fmt.Errorf("Secret %s/%s key %s: %w", e.Controller.Namespace, CARotationSecret, caKeyTalosconfig, err)
@@ -250,6 +263,24 @@ func readCAState(ctx context.Context, e *Env) (*caState, error) {
 		client: &x509.PEMEncodedCertificateAndKey{Crt: d[caKeyClientCrt], Key: d[caKeyClientKey]},
 		before: before,
 	}, nil
+}
+
+// readRotationSecret reads the data of the rotation Secret name in the
+// controller's namespace, or nil when there is none (or it is another
+// operation's).
+func readRotationSecret(ctx context.Context, e *Env, name string) (map[string][]byte, error) {
+	sec := &corev1.Secret{}
+	err := e.Live.Get(ctx, client.ObjectKey{Namespace: e.Controller.Namespace, Name: name}, sec)
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read Secret %s/%s: %w", e.Controller.Namespace, name, err)
+	}
+	if sec.Annotations[caAnnotationUID] != string(e.Op.UID) {
+		return nil, nil
+	}
+	return sec.Data, nil
 }
 
 // mustCAState is readCAState for the stages after the preparation.
@@ -332,16 +363,25 @@ func newCAState(ctx context.Context, e *Env) (*caState, error) {
 	return &caState{oldCA: cur.Crt, newCA: newCA, client: crt, before: before}, nil
 }
 
-// storeCAState writes the state, replacing another operation's (the lock
-// lets one rotation run at a time: one found is left by an operation that
-// is gone). The operation owns it when it lives in the controller's
-// namespace (an owner in another namespace is not one Kubernetes honours).
+// storeCAState writes the state (see storeRotationSecret).
 func storeCAState(ctx context.Context, e *Env, s *caState) error {
 	before, err := s.before.Bytes()
 	if err != nil {
 		return err
 	}
-	sec := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: e.Controller.Namespace, Name: CARotationSecret}}
+	return storeRotationSecret(ctx, e, CARotationSecret, map[string][]byte{caKeyOldCA: s.oldCA, caKeyNewCA: s.newCA.Crt, caKeyNewCAKey: s.newCA.Key,
+		caKeyClientCrt: s.client.Crt, caKeyClientKey: s.client.Key, caKeyTalosconfig: before})
+}
+
+// storeRotationSecret writes a rotation's write-ahead state to the Secret
+// name in the controller's namespace, replacing another operation's (the
+// lock lets one rotation run at a time: one found is left by an operation
+// that is gone), and keeping this operation's own: the caller reads it
+// back, since a racing run of the step may have stored its own first. The
+// operation owns it when it lives in the controller's namespace (an owner
+// in another namespace is not one Kubernetes honours).
+func storeRotationSecret(ctx context.Context, e *Env, name string, data map[string][]byte) error {
+	sec := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: e.Controller.Namespace, Name: name}}
 	build := func() {
 		sec.Annotations = map[string]string{caAnnotationUID: string(e.Op.UID)}
 		sec.Labels = map[string]string{"app.kubernetes.io/part-of": "ichor"}
@@ -351,10 +391,9 @@ func storeCAState(ctx context.Context, e *Env, s *caState) error {
 				Name: e.Op.Name, UID: e.Op.UID, BlockOwnerDeletion: ptr.To(false)}}
 		}
 		sec.Type = corev1.SecretTypeOpaque
-		sec.Data = map[string][]byte{caKeyOldCA: s.oldCA, caKeyNewCA: s.newCA.Crt, caKeyNewCAKey: s.newCA.Key,
-			caKeyClientCrt: s.client.Crt, caKeyClientKey: s.client.Key, caKeyTalosconfig: before}
+		sec.Data = data
 	}
-	err = e.Live.Get(ctx, client.ObjectKeyFromObject(sec), sec)
+	err := e.Live.Get(ctx, client.ObjectKeyFromObject(sec), sec)
 	switch {
 	case apierrors.IsNotFound(err):
 		build()
@@ -370,7 +409,7 @@ func storeCAState(ctx context.Context, e *Env, s *caState) error {
 		err = e.Live.Update(ctx, sec)
 	}
 	if err != nil {
-		return fmt.Errorf("store the new CA in Secret %s/%s: %w", e.Controller.Namespace, CARotationSecret, err)
+		return fmt.Errorf("store the new CA in Secret %s/%s: %w", e.Controller.Namespace, name, err)
 	}
 	return nil
 }

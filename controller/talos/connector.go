@@ -103,6 +103,20 @@ func (c *Connector) Use(ctx context.Context) (*Use, error) {
 	return &Use{Client: c.current.client, c: c, conn: c.current}, nil
 }
 
+// Current is a hold on the client the Connector built last, without
+// reading the Secret (nil when it has built none, or is closed): for the
+// one who needs the Talos API when the Kubernetes API refuses the
+// controller, so that the Secret cannot be read.
+func (c *Connector) Current() *Use {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed || c.current == nil {
+		return nil
+	}
+	c.current.users++
+	return &Use{Client: c.current.client, c: c, conn: c.current}
+}
+
 // Another is a further hold on the same client, for a user that outlives
 // this one (a step that runs after the reconcile that started it).
 func (u *Use) Another() *Use {

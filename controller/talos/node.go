@@ -74,6 +74,19 @@ func RestartService(ctx context.Context, c *talosclient.Client, node, id string)
 	})
 }
 
+// ServiceHealthy reports whether the service id runs and is healthy now
+// (its Service resource; none is not healthy).
+func ServiceHealthy(ctx context.Context, c *talosclient.Client, node, id string) (bool, error) {
+	svc, err := safe.StateGetByID[*v1alpha1.Service](talosclient.WithNode(ctx, node), c.COSI, id)
+	if state.IsNotFoundError(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("read service %s: %w", id, err)
+	}
+	return svc.TypedSpec().Running && svc.TypedSpec().Healthy, nil
+}
+
 // AcrossRestart runs do, which restarts the service id (a ServiceRestart, or
 // a configuration change that restarts it), and waits until its Service
 // resource has gone and come back running and healthy, as talosctl's

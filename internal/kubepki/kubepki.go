@@ -6,6 +6,8 @@ package kubepki
 
 import (
 	stdx509 "crypto/x509"
+	"encoding/pem"
+	"errors"
 	"fmt"
 	"time"
 
@@ -39,4 +41,23 @@ func ClientCertificate(ca *x509.PEMEncodedCertificateAndKey, commonName, organiz
 		return nil, fmt.Errorf("%s certificate: %w", commonName, err)
 	}
 	return &x509.PEMEncodedCertificateAndKey{Crt: kp.CrtPEM, Key: kp.KeyPEM}, nil
+}
+
+// IssuedBy checks that the PEM client certificate crt verifies with the
+// PEM CA bundle ca.
+func IssuedBy(crt, ca []byte) error {
+	pool := stdx509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return errors.New("no CA certificate")
+	}
+	blk, _ := pem.Decode(crt)
+	if blk == nil {
+		return errors.New("no certificate")
+	}
+	c, err := stdx509.ParseCertificate(blk.Bytes)
+	if err != nil {
+		return err
+	}
+	_, err = c.Verify(stdx509.VerifyOptions{Roots: pool, KeyUsages: []stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}})
+	return err
 }
