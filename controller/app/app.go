@@ -6,6 +6,7 @@ package app
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -34,6 +35,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/cilium"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/kubeaccess"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/controller/membership"
 	"maesh.dev/ichor/controller/operation"
@@ -123,6 +125,11 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if o.LeaseDuration > 0 {
 		mo.LeaseDuration, mo.RenewDeadline, mo.RetryPeriod = &o.LeaseDuration, &o.RenewDeadline, &o.RetryPeriod
 	}
+	// Every client keeps its access through a Kubernetes CA rotation: on
+	// refused credentials, an admin kubeconfig from the Talos API (conn is
+	// set below, before the manager starts).
+	var conn *talos.Connector
+	cfg = kubeaccess.Wrap(cfg, func(ctx context.Context) ([]byte, error) { return talosKubeconfig(ctx, conn) }, o.Log.WithName("kubeaccess"))
 	mgr, err := ctrl.NewManager(cfg, mo)
 	if err != nil {
 		return nil, fmt.Errorf("new manager: %w", err)
@@ -150,7 +157,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if o.CiliumChart != nil {
 		self.Chart = *o.CiliumChart
 	}
-	conn := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
+	conn = &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
 	// The Talos client closes with the manager, once the steps using it end.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
 		<-ctx.Done()
@@ -179,6 +186,24 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		return nil, err
 	}
 	return mgr, nil
+}
+
+// talosKubeconfig is an admin kubeconfig from the Talos API's endpoint (a
+// control plane), through the Talos client the connector built last: the
+// Secret it is built from cannot be read while the Kubernetes API refuses
+// the controller.
+func talosKubeconfig(ctx context.Context, conn *talos.Connector) ([]byte, error) {
+	if conn == nil {
+		return nil, errors.New("the controller is starting")
+	}
+	u := conn.Current()
+	if u == nil {
+		return nil, errors.New("this controller has no Talos client yet (it builds one from Secret " + ichorv1.TalosconfigSecret + ", which it could not read)")
+	}
+	defer u.Release()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	return u.Client.Kubeconfig(ctx)
 }
 
 // newLock is the cluster lock as the controller uses it: every decision
