@@ -160,6 +160,19 @@ func (f *Fleet) APIConfig() *rest.Config {
 	return rest.CopyConfig(f.spec.APIServer)
 }
 
+// FollowingAPIConfig is, under Spec.Hosted, an admin REST config for the
+// fleet's endpoint whose credentials follow the control planes' Kubernetes
+// CA as the kubelets' do (a client certificate from the first control
+// plane's cluster.ca, trust in what any control plane accepts now): for a
+// test's own look at the cluster through a Kubernetes CA rotation. Nil
+// without Spec.Hosted.
+func (f *Fleet) FollowingAPIConfig() *rest.Config {
+	if f.hosting == nil {
+		return nil
+	}
+	return f.hosting.kubeletConfig(f)
+}
+
 // APIServerStatus is a control plane's hosted kube-apiserver.
 type APIServerStatus struct {
 	// Address is where it serves (host:port); empty without Spec.Hosted.

@@ -32,19 +32,12 @@ import (
 // an operator must do, and the controller then reboots a machine. Then a
 // second rotation, from the CA the first made, with the controller killed
 // right after each stage's last step ran (before status records it), a new
-// one started each time, ends the same way. A rotation that would also
-// rotate the Kubernetes CA is refused, nothing changed.
+// one started each time, ends the same way.
 func TestTalosCARotation(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 3, 1))
 	worker := c.fleet.Machines()[3].Name()
 
-	c.create("both", ichorv1.TalosOperationSpec{Kind: ichorv1.KindCARotation, CARotation: &ichorv1.CARotation{Talos: ptr.To(true), Kubernetes: ptr.To(true)}})
 	ctl := c.start()
-	refused := c.waitFor("both", "to be refused", time.Minute, func(op *ichorv1.TalosOperation) bool { return op.Status.Phase == ichorv1.PhaseRefused })
-	if !strings.Contains(refused.Status.Message+conditionsText(refused), "rotating the Kubernetes CA is not carried out yet; set spec.caRotation.kubernetes: false") {
-		t.Errorf("refusal %q, conditions %s", refused.Status.Message, conditionsText(refused))
-	}
-
 	before := heldTalosconfig(t, c)
 	c.create("rotate", caSpec())
 	op := c.waitSucceeded("rotate", 3*time.Minute)
