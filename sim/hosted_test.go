@@ -4,11 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	stdx509 "crypto/x509"
 	"encoding/base64"
 	"encoding/json"
-	"encoding/pem"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -30,6 +27,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"maesh.dev/ichor/internal/kubepki"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -388,7 +386,7 @@ func TestHostedKubernetesCA(t *testing.T) {
 		if string(rc.CAData) != string(bytes.Join(trusts, nil)) {
 			t.Errorf("%s: the kubeconfig trusts\n%s\nwant\n%s", step, rc.CAData, bytes.Join(trusts, nil))
 		}
-		if err := issuedBy(rc.CertData, issuer); err != nil {
+		if err := kubepki.IssuedBy(rc.CertData, issuer); err != nil {
 			t.Errorf("%s: the kubeconfig's certificate: %v", step, err)
 		}
 		kc, err := kubernetes.NewForConfig(rc)
@@ -426,22 +424,4 @@ func TestHostedKubernetesCA(t *testing.T) {
 	want("old CA dropped: old client", newCA.Crt, oldCA, false)
 	want("old CA dropped: new client", newCA.Crt, newCA, true)
 	kubeconfigFrom("old CA dropped", newCA.Crt, newCA.Crt)
-}
-
-// issuedBy checks that the PEM certificate crt verifies with the PEM CA.
-func issuedBy(crt, ca []byte) error {
-	pool := stdx509.NewCertPool()
-	if !pool.AppendCertsFromPEM(ca) {
-		return errors.New("no CA")
-	}
-	blk, _ := pem.Decode(crt)
-	if blk == nil {
-		return errors.New("no certificate")
-	}
-	c, err := stdx509.ParseCertificate(blk.Bytes)
-	if err != nil {
-		return err
-	}
-	_, err = c.Verify(stdx509.VerifyOptions{Roots: pool, KeyUsages: []stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}})
-	return err
 }
