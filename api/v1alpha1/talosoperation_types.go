@@ -301,6 +301,15 @@ type CARotation struct {
 	Kubernetes *bool `json:"kubernetes,omitempty"`
 }
 
+// Rotates says which CAs the rotation replaces: each unless set false, as
+// the API's defaults (a nil block rotates both).
+func (c *CARotation) Rotates() (talos, kubernetes bool) {
+	if c == nil {
+		return true, true
+	}
+	return c.Talos == nil || *c.Talos, c.Kubernetes == nil || *c.Kubernetes
+}
+
 // KeyRotation is the block of kind key-rotation.
 //
 // +kubebuilder:validation:XValidation:rule="self.serviceAccount || self.secretbox",message="at least one of spec.keyRotation.serviceAccount and spec.keyRotation.secretbox must be true"

@@ -120,15 +120,15 @@ func Afterwards(spec TalosOperationSpec) string {
 	if spec.Kind != KindCARotation {
 		return ""
 	}
-	ca := spec.CARotation
+	talos, kubernetes := spec.CARotation.Rotates()
 	var out []string
-	if ca == nil || ca.Talos == nil || *ca.Talos {
+	if talos {
 		out = append(out, "a talosconfig of the old Talos API CA is refused by every machine since the old CA was dropped: "+
 			"take the new one from Secret "+TalosconfigSecret+" in the controller's namespace (`kubectl -n "+DefaultNamespace+
 			" get secret "+TalosconfigSecret+" -o jsonpath='{.data.talosconfig}' | base64 -d > talosconfig`), "+
 			"or mint your own with it from a control plane (`talosctl --talosconfig talosconfig -n <control plane> config new --roles os:admin my-talosconfig`)")
 	}
-	if ca == nil || ca.Kubernetes == nil || *ca.Kubernetes {
+	if kubernetes {
 		out = append(out, "a kubeconfig of the old Kubernetes CA (its client certificate, and its trust in the old CA) is refused by the API servers since the old CA was dropped: "+
 			"replace it with a new one from a control plane (`talosctl -n <control plane> kubeconfig --force`); "+
 			"ServiceAccount tokens keep working, and pods read the new CA from ConfigMap kube-root-ca.crt when they restart")

@@ -98,7 +98,7 @@ type CARotation struct{}
 
 // Target implements Executor.
 func (CARotation) Target(op *ichorv1.TalosOperation) (string, string) {
-	switch talosCA, kubernetesCA := rotates(op); {
+	switch talosCA, kubernetesCA := op.Spec.CARotation.Rotates(); {
 	case talosCA && kubernetesCA:
 		return "talos api and kubernetes ca rotation", ""
 	case kubernetesCA:
@@ -128,23 +128,13 @@ func (CARotation) Check(_ context.Context, e *Env) []string {
 	return out
 }
 
-// rotates says which CAs op rotates (each true unless set false, as the
-// API's defaults).
-func rotates(op *ichorv1.TalosOperation) (talosCA, kubernetesCA bool) {
-	ca := op.Spec.CARotation
-	if ca == nil {
-		return true, true
-	}
-	return ca.Talos == nil || *ca.Talos, ca.Kubernetes == nil || *ca.Kubernetes
-}
-
 // Stages implements Stager: the Talos API CA's stages, then the
 // Kubernetes CA's (its patches go through the Talos API, with the
 // credentials the first rotation left in Secret ichor-talosconfig).
 func (CARotation) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
 	cp := []ichorv1.MachineRole{ichorv1.RoleControlPlane}
 	var out []ichorv1.StageStatus
-	talosCA, kubernetesCA := rotates(op)
+	talosCA, kubernetesCA := op.Spec.CARotation.Rotates()
 	if talosCA {
 		out = append(out,
 			ichorv1.StageStatus{Name: StageCAPrepare, Roles: cp, Order: ichorv1.StageOnce},

@@ -8,9 +8,6 @@ package kubeaccess
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -22,6 +19,8 @@ import (
 	"github.com/go-logr/logr"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"maesh.dev/ichor/internal/kubepki"
 )
 
 // Source fetches an admin kubeconfig through the Talos API.
@@ -155,9 +154,7 @@ func (r *roundTripper) RoundTrip(req *http.Request) (*http.Response, error) {
 // authenticated.
 func refused(resp *http.Response, err error) bool {
 	if err != nil {
-		var ua x509.UnknownAuthorityError
-		var cv *tls.CertificateVerificationError
-		return errors.As(err, &ua) || errors.As(err, &cv)
+		return kubepki.UntrustedServer(err)
 	}
 	return resp.StatusCode == http.StatusUnauthorized
 }

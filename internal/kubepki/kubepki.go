@@ -5,6 +5,7 @@
 package kubepki
 
 import (
+	"crypto/tls"
 	stdx509 "crypto/x509"
 	"encoding/pem"
 	"errors"
@@ -60,4 +61,13 @@ func IssuedBy(crt, ca []byte) error {
 	}
 	_, err = c.Verify(stdx509.VerifyOptions{Roots: pool, KeyUsages: []stdx509.ExtKeyUsage{stdx509.ExtKeyUsageClientAuth}})
 	return err
+}
+
+// UntrustedServer says whether err is a TLS handshake that did not trust
+// the server's certificate (its issuer is not among the client's roots):
+// what a client whose trust predates a swap of the Kubernetes CA gets.
+func UntrustedServer(err error) bool {
+	var ua stdx509.UnknownAuthorityError
+	var cv *tls.CertificateVerificationError
+	return errors.As(err, &ua) || errors.As(err, &cv)
 }
