@@ -67,6 +67,7 @@ func TestControllerRBAC(t *testing.T) {
 		{[]string{"update", "secrets/" + ichorv1.TalosconfigSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
 		{[]string{"update", "secrets/other", "-n", ichorv1.DefaultNamespace}, "no"},
 		{[]string{"get", "secrets/" + executor.CARotationSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
+		{[]string{"delete", "secrets/" + executor.KubernetesCARotationSecret, "-n", ichorv1.DefaultNamespace}, "yes"},
 		{[]string{"create", "secrets", "-n", "kube-system"}, "no"},
 		{[]string{"create", "leases", "-n", "kube-system"}, "no"},
 		{[]string{"update", "leases", "-n", ichorv1.DefaultNamespace}, "yes"},
