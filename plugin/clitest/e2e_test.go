@@ -2,6 +2,8 @@ package clitest
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -138,23 +140,14 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 }
 
 // TestRotateCAEndToEnd: against a real controller and fleet, `kubectl
-// ichor rotate ca` of both CAs is refused (exit 2) saying the Kubernetes CA
-// is not rotated yet, and `rotate ca --talos --wait` exits 0 once the Talos
-// API CA is rotated: describe shows the seven stages done and what to do
-// afterwards, and the fleet's original talosconfig is refused.
+// ichor rotate ca --talos --wait` exits 0 once the Talos API CA is rotated:
+// describe shows the seven stages done and what to do afterwards, and the
+// fleet's original talosconfig is refused.
 func TestRotateCAEndToEnd(t *testing.T) {
 	ns, ctrlNS, fleet := withController(t)
 	old := fleet.Talosconfig()
 
-	r := kubectl(t, "", "ichor", "rotate", "ca", "-y", "--name", "both", "-n", ns, "--controller-namespace", ctrlNS, "--wait", "--timeout", "1m")
-	if r.code != 2 || !strings.Contains(r.err, "rotating the Kubernetes CA is not carried out yet; set spec.caRotation.kubernetes: false") {
-		t.Errorf("rotate ca of both CAs: exit %d, want 2 saying the Kubernetes CA is not rotated yet\nstdout %s\nstderr %s", r.code, r.out, r.err)
-	}
-	if err := env.Client.Delete(context.Background(), getOp(t, ns, "both")); err != nil {
-		t.Fatal(err)
-	}
-
-	r = kubectl(t, "", "ichor", "rotate", "ca", "--talos", "-y", "--name", "rot", "-n", ns, "--controller-namespace", ctrlNS, "--wait", "--timeout", "2m")
+	r := kubectl(t, "", "ichor", "rotate", "ca", "--talos", "-y", "--name", "rot", "-n", ns, "--controller-namespace", ctrlNS, "--wait", "--timeout", "2m")
 	if r.code != 0 {
 		t.Fatalf("rotate ca --talos --wait: exit %d\nstdout %s\nstderr %s", r.code, r.out, r.err)
 	}
@@ -176,4 +169,63 @@ func TestRotateCAEndToEnd(t *testing.T) {
 	if _, err := tc.Version(ctx); err == nil {
 		t.Error("the fleet's original talosconfig still answers after the rotation")
 	}
+}
+
+// TestRotateKubernetesCAEndToEnd: on a hosted fleet (its API servers follow
+// cluster.ca), `kubectl ichor rotate ca --kubernetes --watch` with the
+// fleet's first admin kubeconfig follows the rotation until the API server
+// refuses that kubeconfig, then says why and what to do instead of waiting
+// silently; `watch` with a kubeconfig from a control plane follows it to
+// the end; describe shows the seven stages done and what to do with an old
+// kubeconfig; and the first kubeconfig is refused.
+func TestRotateKubernetesCAEndToEnd(t *testing.T) {
+	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 1, 1), testenv.Components{})
+	const ns = "default"
+	testcluster.WriteTalosconfig(t, henv, fleet, ns)
+	testcluster.StartController(t, henv.Config, app.Options{Namespace: ns})
+
+	r := kubectl(t, henv.Kubeconfig, "ichor", "rotate", "ca", "--kubernetes", "-y", "--name", "rot", "-n", ns, "--controller-namespace", ns, "--watch", "-o", "json", "--timeout", "3m")
+	for _, want := range []string{"the API server no longer accepts your kubeconfig", "talosctl -n <control plane> kubeconfig --force",
+		"kubectl ichor watch rot -n default"} {
+		if r.code != 1 || !strings.Contains(r.err, want) {
+			t.Fatalf("rotate ca --kubernetes --watch: exit %d, want 1 saying %q\nstdout %s\nstderr %s", r.code, want, r.out, r.err)
+		}
+	}
+
+	fresh := kubeconfigFromTalos(t, fleet)
+	if r = kubectl(t, fresh, "ichor", "watch", "rot", "-n", ns, "--controller-namespace", ns, "-o", "json", "--timeout", "3m"); r.code != 0 {
+		t.Fatalf("watch with a kubeconfig from a control plane: exit %d\nstderr %s", r.code, r.err)
+	}
+	r = kubectl(t, fresh, "ichor", "operation", "describe", "rot", "-n", ns, "--controller-namespace", ns)
+	for _, want := range []string{"Phase:       Succeeded", "prepare-kubernetes-ca", "accept-new-kubernetes-ca", "verify-kubernetes-accepted",
+		"swap-kubernetes-ca", "verify-kubernetes-swapped", "drop-old-kubernetes-ca", "verify-kubernetes-dropped",
+		"a kubeconfig of the old Kubernetes CA", "talosctl -n <control plane> kubeconfig --force"} {
+		if r.code != 0 || !strings.Contains(r.out, want) {
+			t.Errorf("describe (exit %d) lacks %q:\n%s%s", r.code, want, r.out, r.err)
+		}
+	}
+	if r = kubectl(t, henv.Kubeconfig, "get", "nodes"); r.code == 0 {
+		t.Errorf("the fleet's first kubeconfig still lists the Nodes after the rotation:\n%s", r.out)
+	}
+}
+
+// kubeconfigFromTalos writes the admin kubeconfig a control plane of fleet
+// issues now (`talosctl kubeconfig`) and returns its path.
+func kubeconfigFromTalos(t *testing.T, fleet *sim.Fleet) string {
+	t.Helper()
+	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(fleet.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close() //nolint:errcheck
+	var data []byte
+	testenv.Eventually(t, time.Minute, "a kubeconfig from a control plane", func(ctx context.Context) (bool, error) {
+		data, err = tc.Kubeconfig(talosclient.WithNode(ctx, fleet.ControlPlanes()[0].Address()))
+		return err == nil, nil
+	})
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }

@@ -546,11 +546,21 @@ machine: the new CA accepted, then issuing (the old one still accepted), then
 the old one dropped, each checked on every machine; ichor-controller keeps its
 own access throughout. Once the old CA is dropped, a talosconfig of the old CA
 (yours too) is refused: take the new one from Secret ichor-talosconfig.
-Rotating the Kubernetes CA is not carried out yet: use --talos.`,
+
+The Kubernetes CA follows in the same three stages on cluster.ca and
+cluster.acceptedCAs, each machine's kubelet restarted, each stage checked with
+every control plane's kubeconfig; the API servers follow their machines'
+configuration. ichor-controller keeps its access to the API throughout (on
+refused credentials it uses an admin kubeconfig from the Talos API until its
+own work again). Once the old CA is dropped, a kubeconfig of the old CA (yours
+too) is refused: take a new one with talosctl kubeconfig.`,
 		Example: fmt.Sprintf(`  # Rotate the Talos API CA
   %[1]s rotate ca --talos
 
-  # Both CAs (the Kubernetes CA is refused by this controller for now)
+  # Rotate the Kubernetes CA, and follow it
+  %[1]s rotate ca --kubernetes --watch
+
+  # Both CAs, the Talos API CA first
   %[1]s rotate ca`, e.Name),
 		Args: cobra.NoArgs,
 	}

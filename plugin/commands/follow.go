@@ -27,6 +27,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/internal/kubepki"
 	"maesh.dev/ichor/plugin/view"
 )
 
@@ -218,7 +219,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	}
 	ticker := time.NewTicker(200 * time.Millisecond)
 	defer ticker.Stop()
-	probe := &every{period: time.Second}
+	probe, access := &every{period: time.Second}, &every{period: 2 * time.Second}
 	for {
 		if done, err := outcome(op, retryBaseline, e.Name); done {
 			return finish(d, op, err)
@@ -254,6 +255,11 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			if op.APIGoing() && probe.due() && apiGone(ctx, c, op) {
 				return finishGone(d, op, e.Streams.ErrOut)
 			}
+			if replacesYourCA(op) && access.due() {
+				if err := e.refusedDuringRotation(ctx, c, op); err != nil {
+					return finish(d, op, err)
+				}
+			}
 		case <-deadline:
 			err := exitError(ExitTimeout, "timed out after %s waiting for %s (%s)", ff.timeout, ref(name), phaseWords(op))
 			return finish(d, op, err)
@@ -286,6 +292,30 @@ func apiGone(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) b
 	err := c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
 	var status apierrors.APIStatus
 	return err != nil && !errors.As(err, &status) && !errors.Is(ctx.Err(), context.Canceled)
+}
+
+// replacesYourCA: op is a rotation of the Kubernetes CA under way, which
+// makes the user's kubeconfig stale (its trust in the API servers at the
+// swap, a client certificate of the old CA at the drop).
+func replacesYourCA(op *ichorv1.TalosOperation) bool {
+	_, kubernetes := op.Spec.CARotation.Rotates()
+	return op.Spec.Kind == ichorv1.KindCARotation && kubernetes && !op.Finished()
+}
+
+// refusedDuringRotation reads op, and says what to do when the API server
+// refuses the user's credentials: the informer behind the watch would try
+// again and again without a word until the timeout.
+func (e *Env) refusedDuringRotation(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	err := c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
+	if err == nil || !(apierrors.IsUnauthorized(err) || kubepki.UntrustedServer(err)) {
+		return nil
+	}
+	return fmt.Errorf("the API server no longer accepts your kubeconfig (%v): %s replaces the Kubernetes CA that the kubeconfig's "+
+		"trust or client certificate is of; the operation keeps running: take a new kubeconfig from a control plane "+
+		"(`talosctl -n <control plane> kubeconfig --force`), then follow it again with `%s watch %s -n %s`",
+		err, ref(op.Name), e.Name, op.Name, op.Namespace)
 }
 
 // finishGone ends the following of an operation that took the API away,
