@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/base64"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,7 +19,6 @@ import (
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/internal/testcluster"
-	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
@@ -52,55 +49,11 @@ func TestTalosCARotation(t *testing.T) {
 	// Again, killed at every stage boundary.
 	before = heldTalosconfig(t, c)
 	c.create("rotate-killed", caSpec())
-	var mu sync.Mutex
-	killedAt := map[string]bool{}
-	var kills atomic.Int32
-	for restarts := 0; ; restarts++ {
-		if restarts > 12 {
-			t.Fatal("still not done after 12 controllers")
-		}
-		var killable atomic.Pointer[testcluster.Controller]
-		gone := make(chan struct{})
-		hook := func(s operation.StepRun) {
-			mu.Lock()
-			defer mu.Unlock()
-			if s.Operation.Name != "rotate-killed" || s.Err != nil {
-				return
-			}
-			op := &ichorv1.TalosOperation{}
-			if err := env.Client.Get(context.Background(), ctrlclient.ObjectKey{Namespace: c.ns, Name: s.Operation.Name}, op); err != nil || killedAt[op.Status.Stage] {
-				return
-			}
-			killedAt[op.Status.Stage] = true
-			kills.Add(1)
-			killable.Load().Kill()
-			close(gone)
-		}
-		killable.Store(testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}))
-		done := false
-		testenv.Eventually(t, 2*time.Minute, "the controller killed at a stage boundary, or the rotation done", func(ctx context.Context) (bool, error) {
-			select {
-			case <-gone:
-				return true, nil
-			default:
-			}
-			op := &ichorv1.TalosOperation{}
-			if err := env.Client.Get(ctx, ctrlclient.ObjectKey{Namespace: c.ns, Name: "rotate-killed"}, op); err != nil {
-				return false, err
-			}
-			if op.Failed() {
-				t.Fatalf("failed: %s: %s", op.Status.FailureReason, op.Status.Message)
-			}
-			done = op.Succeeded()
-			return done, nil
-		})
-		killable.Load().Stop()
-		if done {
-			break
-		}
-	}
-	if n := kills.Load(); n != 7 {
-		t.Errorf("%d kills, want one in each of the 7 stages (%v)", n, killedAt)
+	killedAt := killInEachStage(t, env.Client, keyOf(c.ns, "rotate-killed"), 12, 2*time.Minute, func(hook func(operation.StepRun)) *testcluster.Controller {
+		return testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook})
+	})
+	if len(killedAt) != 7 {
+		t.Errorf("killed in %d stages, want each of the 7 (%v)", len(killedAt), killedAt)
 	}
 	checkRotated(t, c, before)
 	c.start()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -328,3 +330,60 @@ func talosSpec(version string) ichorv1.TalosOperationSpec {
 func keyOfNode(name string) client.ObjectKey { return client.ObjectKey{Name: name} }
 
 func keyOf(ns, name string) client.ObjectKey { return client.ObjectKey{Namespace: ns, Name: name} }
+
+// killInEachStage runs controllers, each started by start with a hook,
+// until the operation at key succeeds: each is killed right after a step
+// of a stage no controller was killed in yet has run. It returns the
+// stages killed in, and fails the test if the operation fails or more
+// than most controllers are needed. A read of the operation that fails is
+// tried again (a hosted fleet's endpoint may be between API servers).
+func killInEachStage(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
+	t.Helper()
+	var mu sync.Mutex
+	killedAt := map[string]bool{}
+	for n := 0; ; n++ {
+		if n >= most {
+			t.Fatalf("%s still not done after %d controllers (killed in %v)", key.Name, most, killedAt)
+		}
+		var killable atomic.Pointer[testcluster.Controller]
+		gone := make(chan struct{})
+		hook := func(s operation.StepRun) {
+			mu.Lock()
+			defer mu.Unlock()
+			if s.Operation.Name != key.Name || s.Err != nil {
+				return
+			}
+			op := &ichorv1.TalosOperation{}
+			if err := c.Get(context.Background(), key, op); err != nil || killedAt[op.Status.Stage] {
+				return
+			}
+			killedAt[op.Status.Stage] = true
+			killable.Load().Kill()
+			close(gone)
+		}
+		killable.Store(start(hook))
+		done := false
+		testenv.Eventually(t, each, "the controller killed at a stage boundary, or "+key.Name+" done", func(ctx context.Context) (bool, error) {
+			select {
+			case <-gone:
+				return true, nil
+			default:
+			}
+			op := &ichorv1.TalosOperation{}
+			if err := c.Get(ctx, key, op); err != nil {
+				return false, nil //nolint:nilerr // tried again
+			}
+			if op.Failed() {
+				t.Fatalf("%s failed: %s: %s", key.Name, op.Status.FailureReason, op.Status.Message)
+			}
+			done = op.Succeeded()
+			return done, nil
+		})
+		killable.Load().Stop()
+		if done {
+			mu.Lock()
+			defer mu.Unlock()
+			return killedAt
+		}
+	}
+}

@@ -3,8 +3,6 @@ package operation_test
 import (
 	"context"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -71,50 +69,9 @@ func TestKubernetesCARotation(t *testing.T) {
 	restarts = kubeletRestarts(fleet)
 	oldCA = fleet.ControlPlanes()[0].Config().Cluster().IssuingCA()
 	op = createK8sCA(t, obs, ns, "rotate-killed")
-	var mu sync.Mutex
-	killedAt := map[string]bool{}
-	for n := 0; ; n++ {
-		if n > 12 {
-			t.Fatal("still not done after 12 controllers")
-		}
-		var killable atomic.Pointer[testcluster.Controller]
-		gone := make(chan struct{})
-		hook := func(s operation.StepRun) {
-			mu.Lock()
-			defer mu.Unlock()
-			if s.Operation.Name != op.Name || s.Err != nil {
-				return
-			}
-			cur := &ichorv1.TalosOperation{}
-			if err := obs.Get(context.Background(), ctrlclient.ObjectKeyFromObject(op), cur); err != nil || killedAt[cur.Status.Stage] {
-				return
-			}
-			killedAt[cur.Status.Stage] = true
-			killable.Load().Kill()
-			close(gone)
-		}
-		killable.Store(testcluster.StartKillable(t, podCredentials(t, fleet), app.Options{Namespace: ns, TestHookAfterRun: hook}))
-		done := false
-		testenv.Eventually(t, 4*time.Minute, "the controller killed at a stage boundary, or the rotation done", func(ctx context.Context) (bool, error) {
-			select {
-			case <-gone:
-				return true, nil
-			default:
-			}
-			if err := obs.Get(ctx, ctrlclient.ObjectKeyFromObject(op), op); err != nil {
-				return false, nil //nolint:nilerr // the endpoint may be between API servers
-			}
-			if op.Failed() {
-				t.Fatalf("failed: %s: %s", op.Status.FailureReason, op.Status.Message)
-			}
-			done = op.Succeeded()
-			return done, nil
-		})
-		killable.Load().Stop()
-		if done {
-			break
-		}
-	}
+	killedAt := killInEachStage(t, obs, ctrlclient.ObjectKeyFromObject(op), 12, 4*time.Minute, func(hook func(operation.StepRun)) *testcluster.Controller {
+		return testcluster.StartKillable(t, podCredentials(t, fleet), app.Options{Namespace: ns, TestHookAfterRun: hook})
+	})
 	if len(killedAt) != 7 {
 		t.Errorf("killed in %d stages, want each of the 7 (%v)", len(killedAt), killedAt)
 	}
