@@ -69,7 +69,9 @@ type Env struct {
 	dir string
 	// saKey is the file of the API server's service-account signing key.
 	saKey string
-	seq   atomic.Int64
+	// auditLog is the API server's audit log of AuditedUser's requests.
+	auditLog string
+	seq      atomic.Int64
 	// stops end what was started beside the API server, before it stops.
 	stops []func()
 	// components are what StartComponents started; kcm the controller manager.
@@ -95,6 +97,17 @@ func Start() (*Env, error) {
 		Scheme:                Scheme,
 	}
 	controlplane.ServiceCIDRArg(env)
+	auditDir, err := os.MkdirTemp("", "ichor-audit-")
+	if err != nil {
+		return nil, err
+	}
+	audit, auditLog, err := auditArgs(auditDir)
+	if err != nil {
+		return nil, err
+	}
+	for k, v := range audit {
+		env.ControlPlane.GetAPIServer().Configure().Set(k, v)
+	}
 	if os.Getenv("KUBEBUILDER_CONTROLPLANE_START_TIMEOUT") == "" {
 		env.ControlPlaneStartTimeout = controlplane.StartTimeout
 	}
@@ -102,9 +115,11 @@ func Start() (*Env, error) {
 	if err != nil {
 		return nil, fmt.Errorf("start envtest from %s: %w", assets, err)
 	}
-	e := &Env{Config: cfg, Root: root, env: env}
+	e := &Env{Config: cfg, Root: root, env: env, auditLog: auditLog}
+	e.stops = append(e.stops, func() { _ = os.RemoveAll(auditDir) })
 	if err := e.init(); err != nil {
 		_ = env.Stop()
+		_ = os.RemoveAll(auditDir)
 		return nil, err
 	}
 	return e, nil
