@@ -79,6 +79,7 @@ func newRoot() *cobra.Command {
 		`address of the Prometheus metrics endpoint ("0" disables it; default $`+app.MetricsAddrEnv+`, else :8080)`)
 	f.StringVar(&o.ProbeAddr, "health-probe-bind-address", envOr(app.ProbeAddrEnv, ":8081"),
 		"address of the /healthz and /readyz endpoints (default $"+app.ProbeAddrEnv+", else :8081)")
+	f.StringVar(&o.PprofAddr, "pprof-bind-address", "0", `address of net/http/pprof's profiles ("0" disables it)`)
 	f.BoolVar(&o.LeaderElection, "leader-elect", true, "elect a leader among replicas (Lease "+ichorv1.LeaderLeaseName+")")
 	f.DurationVar(&o.StepTimeout, "step-timeout", 15*time.Minute, "time limit of steps that set none of their own")
 	f.StringVar(&o.Image, "image", "", "the controller's own image, which the cni kind's Job runs (default: read from the controller's pod, $POD_NAMESPACE/$POD_NAME)")

@@ -58,6 +58,9 @@ type Options struct {
 	// MetricsAddr and ProbeAddr are listen addresses; "0" disables.
 	MetricsAddr string
 	ProbeAddr   string
+	// PprofAddr serves net/http/pprof's profiles when set ("" or "0"
+	// disables): the benchmarks take the controller's heap profile there.
+	PprofAddr string
 	// LeaderElection turns on leader election (on in production).
 	LeaderElection bool
 	// LeaseDuration, RenewDeadline and RetryPeriod tune leader election;
@@ -116,6 +119,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 		Logger:                        o.Log,
 		Metrics:                       metricsserver.Options{BindAddress: orDefault(o.MetricsAddr, ":8080")},
 		HealthProbeBindAddress:        orDefault(o.ProbeAddr, ":8081"),
+		PprofBindAddress:              o.PprofAddr,
 		LeaderElection:                o.LeaderElection,
 		LeaderElectionID:              ichorv1.LeaderLeaseName,
 		LeaderElectionNamespace:       o.Namespace,
