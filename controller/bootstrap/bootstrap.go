@@ -32,6 +32,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -225,6 +226,12 @@ func Reconciled(ctx context.Context, c client.Client) (bool, string, error) {
 	if err != nil {
 		return false, "", err
 	}
+	// The workloads first: a check while they roll out (each change of
+	// kube-proxy's DaemonSet or CoreDNS's Deployment wakes the wait) stops
+	// at them, instead of reading every RBAC object, ServiceAccount and
+	// ConfigMap again first, which made the wait most of a Kubernetes
+	// upgrade's API requests.
+	slices.SortStableFunc(tracked, func(a, b inventory.Object) int { return cmp.Compare(checkOrder(a), checkOrder(b)) })
 	for _, ref := range tracked {
 		live, err := get(ctx, c, ref, schema.GroupVersionKind{})
 		if apierrors.IsNotFound(err) {
@@ -233,15 +240,46 @@ func Reconciled(ctx context.Context, c client.Client) (bool, string, error) {
 		if err != nil {
 			return false, "", err
 		}
-		res, err := kstatus.Compute(live)
-		if err != nil {
-			return false, "", fmt.Errorf("status of %s: %w", describe(ref), err)
-		}
-		if res.Status != kstatus.CurrentStatus {
-			return false, fmt.Sprintf("waiting for %s to reconcile: %s (%s)", describe(ref), res.Status, res.Message), nil
+		if ok, why, err := current(live, describe(ref)); err != nil || !ok {
+			return false, why, err
 		}
 	}
 	return true, fmt.Sprintf("%d objects of Talos's bootstrap manifests reconciled", len(tracked)), nil
+}
+
+// RolledOut is Reconciled of one workload already read (obj, of kind gvk):
+// whether it has reconciled by kstatus, and otherwise why it is waited for.
+func RolledOut(obj client.Object, gvk schema.GroupVersionKind) (bool, string, error) {
+	m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(obj)
+	if err != nil {
+		return false, "", fmt.Errorf("status of %s %s/%s: %w", gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
+	}
+	u := &unstructured.Unstructured{Object: m}
+	u.SetGroupVersionKind(gvk)
+	return current(u, describe(inventory.Object{GroupKind: gvk.GroupKind(), Namespace: obj.GetNamespace(), Name: obj.GetName()}))
+}
+
+// current says whether live, named what, is Current by kstatus, and
+// otherwise why it is waited for.
+func current(live *unstructured.Unstructured, what string) (bool, string, error) {
+	res, err := kstatus.Compute(live)
+	if err != nil {
+		return false, "", fmt.Errorf("status of %s: %w", what, err)
+	}
+	if res.Status != kstatus.CurrentStatus {
+		return false, fmt.Sprintf("waiting for %s to reconcile: %s (%s)", what, res.Status, res.Message), nil
+	}
+	return true, "", nil
+}
+
+// checkOrder puts the kinds that take a while to reconcile (their
+// controllers roll their pods out) before those that are current once
+// applied.
+func checkOrder(o inventory.Object) int {
+	if o.GroupKind.Group == "apps" && slices.Contains([]string{"DaemonSet", "Deployment", "StatefulSet"}, o.GroupKind.Kind) {
+		return 0
+	}
+	return 1
 }
 
 // describe names an object as kubectl does: Kind namespace/name.

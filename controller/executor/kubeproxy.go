@@ -136,6 +136,12 @@ func manifestsReadyStep() Step {
 			return false, Outcome{}, &StepError{Reason: "KubeProxyNotSynced", RetryFrom: StepManifestsRendered,
 				Err: fmt.Errorf("after the sync, DaemonSet kube-system/kube-proxy runs %q, not %s: a retry syncs again", img, version)}
 		}
+		// While the DaemonSet rolls out (each change of it wakes the step),
+		// it is what the wait is for: the rest of the inventory is read
+		// once it has, not at every change.
+		if ok, why, err := bootstrap.RolledOut(ds, appsv1.SchemeGroupVersion.WithKind("DaemonSet")); err != nil || !ok {
+			return false, Outcome{Message: why, Recheck: 10 * time.Second}, err
+		}
 		ok, why, err := bootstrap.Reconciled(ctx, e.Live)
 		if err != nil || !ok {
 			// A change of kube-proxy's DaemonSet or CoreDNS's Deployment
