@@ -452,10 +452,7 @@ func quiet(b *testing.B, spec *sim.Spec) {
 // cluster lock release to the next step starting, each sampled
 // reactionSamples times and reported at the 99th percentile (budget 50 ms):
 // retry and resume on an upgrade of 1 control plane and reactionSamples
-// workers, and again on an upgrade of 1,000 machines, whose status the
-// controller reads and writes on every turn; lock release on a fleet of 3.
-// A lock release is not sampled beside the 1,000-machine operation: that
-// operation holds the cluster's one lock while it runs.
+// workers; lock release on a fleet of 3.
 func BenchmarkReaction(b *testing.B) {
 	b.Run("retry-resume/machines=21", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
@@ -465,11 +462,6 @@ func BenchmarkReaction(b *testing.B) {
 	b.Run("lock-release/machines=3", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
 			lockRelease(b)
-		}
-	})
-	b.Run("retry-resume/machines=1000", func(b *testing.B) {
-		for i := 0; i < b.N; i++ {
-			retryAndResume(b, 999)
 		}
 	})
 }
