@@ -34,7 +34,7 @@ func getOp(t *testing.T, ns, name string) *ichorv1.TalosOperation {
 	return op
 }
 
-func createOp(t *testing.T, ns, name string) *ichorv1.TalosOperation {
+func createOp(t testing.TB, ns, name string) *ichorv1.TalosOperation {
 	t.Helper()
 	op := &ichorv1.TalosOperation{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
@@ -47,7 +47,7 @@ func createOp(t *testing.T, ns, name string) *ichorv1.TalosOperation {
 }
 
 // setStatus plays the controller's part: it writes the operation's status.
-func setStatus(t *testing.T, op *ichorv1.TalosOperation, status ichorv1.TalosOperationStatus) {
+func setStatus(t testing.TB, op *ichorv1.TalosOperation, status ichorv1.TalosOperationStatus) {
 	t.Helper()
 	status.ObservedGeneration = op.Generation
 	op.Status = status

@@ -146,7 +146,7 @@ func start(t *testing.T, args ...string) *proc {
 // stdin, stdout and stderr are the terminal, which is the process's
 // controlling terminal, so typing Ctrl-C (type) interrupts it. Everything
 // it prints is in stdout.
-func startTerminal(t *testing.T, args ...string) *proc {
+func startTerminal(t testing.TB, args ...string) *proc {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	p := &proc{cmd: exec.CommandContext(ctx, testenv.Kubectl, args...), done: make(chan struct{})}
@@ -184,7 +184,7 @@ func startTerminal(t *testing.T, args ...string) *proc {
 }
 
 // typeKeys types on the terminal of a process started by startTerminal.
-func (p *proc) typeKeys(t *testing.T, keys string) {
+func (p *proc) typeKeys(t testing.TB, keys string) {
 	t.Helper()
 	if _, err := p.tty.Write([]byte(keys)); err != nil {
 		t.Fatal(err)
@@ -204,7 +204,7 @@ func (p *proc) stderr() string {
 }
 
 // wait waits for the process to exit and returns its exit code.
-func (p *proc) wait(t *testing.T) int {
+func (p *proc) wait(t testing.TB) int {
 	t.Helper()
 	select {
 	case <-p.done:
@@ -216,7 +216,7 @@ func (p *proc) wait(t *testing.T) int {
 }
 
 // waitOutput waits until the process has printed want.
-func (p *proc) waitOutput(t *testing.T, want string) {
+func (p *proc) waitOutput(t testing.TB, want string) {
 	t.Helper()
 	testenv.Eventually(t, 30*time.Second, fmt.Sprintf("kubectl to print %q", want), func(context.Context) (bool, error) {
 		select {
