@@ -270,7 +270,7 @@ func TestHostedEncryptionAtRest(t *testing.T) {
 // on the same data and the API answers with every object intact.
 func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 	f, kc := hostedFleet(t, 3)
-	createConfigMaps(t, kc, "cm0", "cm1", "cm2")
+	testenv.CreateConfigMaps(t, kc, "cm0", "cm1", "cm2")
 	const want = "cm0,cm1,cm2"
 
 	c := talos(t, f)
@@ -283,15 +283,15 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 		testenv.Eventually(t, 30*time.Second, cp.Name()+" off", func(context.Context) (bool, error) { return cp.Off(), nil })
 	}
 	shutdown(cps[0])
-	if got, err := configMaps(kc); err != nil || got != want {
+	if got, err := testenv.ConfigMaps(kc); err != nil || got != want {
 		t.Fatalf("with %s down the endpoint answers %q, %v; want %q", cps[0].Name(), got, err, want)
 	}
 	shutdown(cps[1])
-	if got, err := configMaps(kc); err == nil {
+	if got, err := testenv.ConfigMaps(kc); err == nil {
 		t.Fatalf("with two of three control planes off (no etcd quorum) the endpoint answers %q", got)
 	}
 	shutdown(cps[2])
-	if got, err := configMaps(kc); err == nil {
+	if got, err := testenv.ConfigMaps(kc); err == nil {
 		t.Fatalf("with every control plane off the endpoint answers %q", got)
 	}
 	etcd := f.HostedEtcd()
@@ -310,7 +310,7 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 		}
 	}
 	testenv.Eventually(t, 3*time.Minute, "the API back", func(context.Context) (bool, error) {
-		got, err := configMaps(kc)
+		got, err := testenv.ConfigMaps(kc)
 		return err == nil && got == want, nil
 	})
 	t.Logf("API back %s after power-on (etcd started in %s)", time.Since(began).Round(time.Millisecond), f.HostedEtcd().LastStart.Round(time.Millisecond))

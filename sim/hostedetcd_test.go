@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -17,9 +16,6 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	"github.com/siderolabs/talos/pkg/machinery/client"
 	"google.golang.org/grpc/codes"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -37,7 +33,7 @@ func TestHostedEtcdRecover(t *testing.T) {
 	f, kc := hostedFleet(t, 2)
 	cps := f.ControlPlanes()
 	c := talos(t, f)
-	createConfigMaps(t, kc, "before")
+	testenv.CreateConfigMaps(t, kc, "before")
 
 	snap := etcdSnapshot(t, c, cps[0])
 	var st struct {
@@ -47,8 +43,8 @@ func TestHostedEtcdRecover(t *testing.T) {
 	if err := json.Unmarshal(etcdutl(t, snap, "snapshot", "status", "-w", "json"), &st); err != nil || st.Revision == 0 || st.TotalKey == 0 {
 		t.Fatalf("etcdutl snapshot status: %+v, %v", st, err)
 	}
-	createConfigMaps(t, kc, "after0", "after1", "after2")
-	if got, err := configMaps(kc); err != nil || got != "after0,after1,after2,before" {
+	testenv.CreateConfigMaps(t, kc, "after0", "after1", "after2")
+	if got, err := testenv.ConfigMaps(kc); err != nil || got != "after0,after1,after2,before" {
 		t.Fatalf("before the recovery: %q, %v", got, err)
 	}
 
@@ -78,7 +74,7 @@ func TestHostedEtcdRecover(t *testing.T) {
 	if f.HostedEtcd().Serving {
 		t.Fatal("etcd serves after every member's data was wiped")
 	}
-	if got, err := configMaps(kc); err == nil {
+	if got, err := testenv.ConfigMaps(kc); err == nil {
 		t.Fatalf("with etcd gone the endpoint answers %q", got)
 	}
 
@@ -94,7 +90,7 @@ func TestHostedEtcdRecover(t *testing.T) {
 		return err == nil, unless(err, codes.FailedPrecondition, codes.DeadlineExceeded)
 	})
 	testenv.Eventually(t, 3*time.Minute, "the API back on the snapshot's data", func(context.Context) (bool, error) {
-		got, err := configMaps(kc)
+		got, err := testenv.ConfigMaps(kc)
 		return err == nil && got == "before", nil
 	})
 	testenv.Eventually(t, time.Minute, cps[1].Name()+" joined", func(context.Context) (bool, error) {
@@ -153,36 +149,4 @@ func etcdutl(t *testing.T, snap []byte, args ...string) []byte {
 		t.Fatalf("etcdutl %s: %v: %s", strings.Join(args, " "), err, out)
 	}
 	return out
-}
-
-// createConfigMaps creates ConfigMaps of these names in default.
-func createConfigMaps(t *testing.T, kc kubernetes.Interface, names ...string) {
-	t.Helper()
-	ctx, cancel := timeout()
-	defer cancel()
-	for _, name := range names {
-		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}
-		if _, err := kc.CoreV1().ConfigMaps("default").Create(ctx, cm, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("create ConfigMap %s: %v", name, err)
-		}
-	}
-}
-
-// configMaps lists the names of the ConfigMaps in default, but the one
-// Kubernetes publishes, within 5 seconds.
-func configMaps(kc kubernetes.Interface) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	l, err := kc.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return "", err
-	}
-	var names []string
-	for _, cm := range l.Items {
-		if cm.Name != "kube-root-ca.crt" {
-			names = append(names, cm.Name)
-		}
-	}
-	sort.Strings(names)
-	return strings.Join(names, ","), nil
 }

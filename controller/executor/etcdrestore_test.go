@@ -4,11 +4,9 @@ import (
 	"bytes"
 	"context"
 	"google.golang.org/grpc/codes"
-	"io"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -16,7 +14,6 @@ import (
 	"github.com/go-logr/logr/testr"
 	"github.com/johannesboyne/gofakes3"
 	"github.com/johannesboyne/gofakes3/backend/s3mem"
-	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -53,10 +50,10 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	defer tc.Close()
 	cps := f.ControlPlanes()
 	kc := kenv.Kube
-	createConfigMaps(t, kc, "before")
+	testenv.CreateConfigMaps(t, kc, "before")
 	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
-	takeSnapshot(t, tc, cps[0], snap)
-	createConfigMaps(t, kc, "after0", "after1", "after2")
+	testcluster.TakeSnapshot(t, tc, cps[0], snap)
+	testenv.CreateConfigMaps(t, kc, "after0", "after1", "after2")
 
 	var addrs []string
 	for _, cp := range cps {
@@ -117,7 +114,7 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	if !strings.HasPrefix(e.Machine.To, "revision ") || e.Machine.From == e.Machine.To {
 		t.Fatalf("revisions recorded: from %q to %q", e.Machine.From, e.Machine.To)
 	}
-	if got, err := configMaps(kc); err != nil || got != "before" {
+	if got, err := testenv.ConfigMaps(kc); err != nil || got != "before" {
 		t.Fatalf("after the restore the ConfigMaps are %q (%v), want only the one from before the snapshot", got, err)
 	}
 	st := f.Etcd()
@@ -151,10 +148,10 @@ func TestEtcdRestoreSteps(t *testing.T) {
 // Succeeded with the snapshot's revision, and the journal is cleared.
 func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine, env func(*ichorv1.TalosOperation) *executor.Env) {
 	kc := kenv.Kube
-	createConfigMaps(t, kc, "second")
+	testenv.CreateConfigMaps(t, kc, "second")
 	snap := filepath.Join(t.TempDir(), "etcd2.snapshot")
-	takeSnapshot(t, tc, rec, snap)
-	createConfigMaps(t, kc, "later")
+	testcluster.TakeSnapshot(t, tc, rec, snap)
+	testenv.CreateConfigMaps(t, kc, "later")
 	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "restore"}, Spec: ichorv1.TalosOperationSpec{
 		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
 	if err := kenv.Client.Create(ctx, op); err != nil {
@@ -187,7 +184,7 @@ func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env
 		t.Fatal(err)
 	}
 	second.Wait()
-	if got, err := configMaps(kc); err != nil || got != "before,second" {
+	if got, err := testenv.ConfigMaps(kc); err != nil || got != "before,second" {
 		t.Fatalf("after the second restore the ConfigMaps are %q (%v)", got, err)
 	}
 	var back ichorv1.TalosOperation
@@ -238,51 +235,6 @@ func runStep(t *testing.T, ctx context.Context, s executor.Step, e *executor.Env
 	}
 	e.Machine.Message = out.Message
 	return out
-}
-
-func takeSnapshot(t *testing.T, c *talosclient.Client, m *sim.Machine, path string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, m.Address()), &machine.EtcdSnapshotRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rc.Close()
-	var buf bytes.Buffer
-	if _, err := io.Copy(&buf, rc); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, buf.Bytes(), 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func createConfigMaps(t *testing.T, kc kubernetes.Interface, names ...string) {
-	t.Helper()
-	for _, name := range names {
-		cm := &corev1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: name}}
-		if _, err := kc.CoreV1().ConfigMaps("default").Create(context.Background(), cm, metav1.CreateOptions{}); err != nil {
-			t.Fatalf("create ConfigMap %s: %v", name, err)
-		}
-	}
-}
-
-func configMaps(kc kubernetes.Interface) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	l, err := kc.CoreV1().ConfigMaps("default").List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return "", err
-	}
-	var names []string
-	for _, cm := range l.Items {
-		if cm.Name != "kube-root-ca.crt" {
-			names = append(names, cm.Name)
-		}
-	}
-	sort.Strings(names)
-	return strings.Join(names, ","), nil
 }
 
 // checkS3: the same snapshot in a real S3 server (gofakes3), read with the

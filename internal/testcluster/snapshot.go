@@ -1,0 +1,35 @@
+package testcluster
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/siderolabs/talos/pkg/machinery/api/machine"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+
+	"maesh.dev/ichor/sim"
+)
+
+// TakeSnapshot writes an etcd snapshot of the machine's member to path,
+// taken through the Talos API as talosctl etcd snapshot takes it.
+func TakeSnapshot(t testing.TB, c *talosclient.Client, m *sim.Machine, path string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, m.Address()), &machine.EtcdSnapshotRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close()
+	var buf bytes.Buffer
+	if _, err := io.Copy(&buf, rc); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, buf.Bytes(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
