@@ -97,7 +97,15 @@ func (EtcdRestore) LockIdentity(*ichorv1.TalosOperation, ichorv1.MachineRole) st
 // Check implements Executor: the snapshot exists, verifies, and is not
 // newer than the running store (unless spec.override): a snapshot from
 // the future is another cluster's, or this one's before an earlier rewind.
+//
+// It also refuses to run from a controller on a control plane: the reset
+// wipes its machine's EPHEMERAL, where its pod keeps the hand-over the
+// rest of the restore needs while the API is gone.
 func (EtcdRestore) Check(ctx context.Context, e *Env) []string {
+	if cp := controllerOnControlPlane(e); cp != "" {
+		return []string{fmt.Sprintf("the controller runs on the control plane %s, which the restore resets with EPHEMERAL wiped (its pod and the restore's hand-over with it): "+
+			"move the controller to a worker first (kubectl -n %s delete pod %s once %s is cordoned, or a nodeSelector/affinity on the Deployment), then retry", cp, e.Controller.Namespace, podName(e.Controller.Pod), cp)}
+	}
 	st, running, err := checkSnapshot(ctx, e)
 	if err != nil {
 		return []string{err.Error()}
@@ -107,6 +115,25 @@ func (EtcdRestore) Check(ctx context.Context, e *Env) []string {
 			e.Op.Spec.EtcdRestore.Snapshot, st.Revision, running)}
 	}
 	return nil
+}
+
+// controllerOnControlPlane names the control plane the controller's pod
+// runs on (Controller.Node, the downward API's), or "".
+func controllerOnControlPlane(e *Env) string {
+	for i := range e.Nodes {
+		if n := &e.Nodes[i]; n.Name == e.Controller.Node && machine.Role(n) == ichorv1.RoleControlPlane {
+			return n.Name
+		}
+	}
+	return ""
+}
+
+// podName is the name of "namespace/name", or a placeholder outside a pod.
+func podName(pod string) string {
+	if _, name, ok := strings.Cut(pod, "/"); ok {
+		return name
+	}
+	return "<the controller's pod>"
 }
 
 // Steps implements Executor.

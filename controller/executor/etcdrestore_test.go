@@ -310,3 +310,27 @@ func TestEtcdRestoreScope(t *testing.T) {
 		t.Errorf("workers only: %v", err)
 	}
 }
+
+// TestEtcdRestoreRefusesControllerOnControlPlane: a controller whose pod
+// runs on a control plane (the downward API's node name) is refused, with
+// what to do; one on a worker, or outside a pod, goes on to the snapshot.
+func TestEtcdRestoreRefusesControllerOnControlPlane(t *testing.T) {
+	nodes := []corev1.Node{
+		{ObjectMeta: metav1.ObjectMeta{Name: "cp-1", Labels: map[string]string{ichorv1.ControlPlaneLabel: ""}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "w-1"}},
+	}
+	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore,
+		EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + filepath.Join(t.TempDir(), "missing.db")}}}
+	for node, want := range map[string]string{
+		"cp-1": "the controller runs on the control plane cp-1, which the restore resets with EPHEMERAL wiped (its pod and the restore's hand-over with it): " +
+			"move the controller to a worker first (kubectl -n ichor-system delete pod ichor-controller-abc once cp-1 is cordoned, or a nodeSelector/affinity on the Deployment), then retry",
+		"w-1": "snapshot not found",
+		"":    "snapshot not found",
+	} {
+		e := &executor.Env{Op: op, Nodes: nodes, Controller: executor.Controller{Namespace: "ichor-system", Pod: "ichor-system/ichor-controller-abc", Node: node}}
+		got := (executor.EtcdRestore{}).Check(context.Background(), e)
+		if len(got) != 1 || !strings.Contains(got[0], want) {
+			t.Errorf("controller on %q: %q, want %q", node, got, want)
+		}
+	}
+}
