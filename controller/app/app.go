@@ -8,9 +8,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 
 	"github.com/go-logr/logr"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	"google.golang.org/grpc"
 	appsv1 "k8s.io/api/apps/v1"
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -95,6 +97,10 @@ type Options struct {
 	// $NODE_NAME, the downward API's spec.nodeName): a shutdown takes it
 	// last among the workers.
 	Node string
+	// HandoverDir is where an etcd restore's takeover keeps its hand-over
+	// file (default os.TempDir(): the Deployment mounts an emptyDir
+	// there, which outlives the container).
+	HandoverDir string
 }
 
 // Variables that set the listen addresses when the flags do not. The
@@ -106,14 +112,85 @@ const (
 	ProbeAddrEnv   = "ICHOR_HEALTH_PROBE_BIND_ADDRESS"
 )
 
-// New builds the manager with every reconciler registered.
-func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
+// Controller is ichor-controller: a manager with every reconciler
+// registered, and beside it the etcd restore's takeover, which works while
+// the API is gone.
+type Controller struct {
+	cfg      *rest.Config
+	o        Options
+	takeover *executor.Takeover
+	elected  chan struct{}
+}
+
+// New prepares the controller. The manager is built when it starts: a
+// manager needs the API to build (its cache maps the kinds it watches),
+// and a takeover that a killed controller left has to resume first,
+// without it.
+func New(cfg *rest.Config, o Options) (*Controller, error) {
 	if o.Namespace == "" {
 		o.Namespace = ichorv1.DefaultNamespace
 	}
 	if o.Executors == nil {
 		o.Executors = executor.Default()
 	}
+	live, err := client.New(cfg, client.Options{Scheme: Scheme})
+	if err != nil {
+		return nil, fmt.Errorf("client: %w", err)
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("clientset: %w", err)
+	}
+	tk := &executor.Takeover{Dir: orDefault(o.HandoverDir, os.TempDir()), Kube: live, Clientset: cs,
+		Log: o.Log.WithName("etcd-restore"), TalosOptions: []talosclient.OptionFunc{talosclient.WithGRPCDialOptions(o.TalosDialOptions...)}}
+	if hook := o.TestHookAfterRun; hook != nil {
+		tk.TestHookAfterStep = func(machine, step string, err error) {
+			hook(operation.StepRun{Machine: machine, Step: step, Err: err})
+		}
+	}
+	return &Controller{cfg: cfg, o: o, takeover: tk, elected: make(chan struct{})}, nil
+}
+
+// Elected is closed once the controller leads (at once, once its manager
+// runs, without leader election).
+func (c *Controller) Elected() <-chan struct{} { return c.elected }
+
+// Start resumes a takeover a killed controller left, builds the manager
+// (again and again while a takeover works and the API does not answer)
+// and runs it until ctx ends or it stops (a lost leadership). It returns
+// only once no takeover works: a restore goes on when the leadership is
+// lost (the API gone), and a restarted controller would resume it anyway.
+func (c *Controller) Start(ctx context.Context) error {
+	defer c.takeover.Wait()
+	if err := c.takeover.Start(ctx); err != nil {
+		return fmt.Errorf("resume the etcd restore: %w", err)
+	}
+	for {
+		mgr, err := build(c.cfg, c.o, c.takeover)
+		if err == nil {
+			go func() {
+				select {
+				case <-mgr.Elected():
+					close(c.elected)
+				case <-ctx.Done():
+				}
+			}()
+			return mgr.Start(ctx)
+		}
+		if !c.takeover.Busy() {
+			return err
+		}
+		c.o.Log.Info("the API does not answer while an etcd restore works; trying again", "why", err.Error())
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+// build builds the manager with every reconciler registered.
+func build(cfg *rest.Config, o Options, tk *executor.Takeover) (ctrl.Manager, error) {
 	mo := ctrl.Options{
 		Scheme:                        Scheme,
 		Logger:                        o.Log,
@@ -161,6 +238,7 @@ func New(cfg *rest.Config, o Options) (ctrl.Manager, error) {
 	if o.CiliumChart != nil {
 		self.Chart = *o.CiliumChart
 	}
+	self.Takeover = tk
 	conn = &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
 	// The Talos client closes with the manager, once the steps using it end.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
@@ -282,9 +360,9 @@ func orDefault(s, d string) string {
 
 // Run starts the controller and blocks until ctx is done.
 func Run(ctx context.Context, cfg *rest.Config, o Options) error {
-	mgr, err := New(cfg, o)
+	c, err := New(cfg, o)
 	if err != nil {
 		return err
 	}
-	return mgr.Start(ctx)
+	return c.Start(ctx)
 }

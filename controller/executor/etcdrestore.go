@@ -319,9 +319,16 @@ func runLeaveOthers(ctx context.Context, e *Env) (Outcome, error) {
 // (Calls > 1) looks at the recovering machine, and one that has booted
 // since its recorded boot, or does not answer, had it. It returns once
 // every control plane answers again, the recovering one with a new boot.
+//
+// In the driver of a controller with a takeover (Controller.Takeover),
+// the step hands the rest of the flow over to it instead: the driver's
+// status and leadership do not survive the reset.
 func runResetAll(ctx context.Context, e *Env) (Outcome, error) {
 	if err := e.requireAddress(); err != nil {
 		return Outcome{}, err
+	}
+	if e.Controller.Takeover != nil {
+		return e.Controller.Takeover.HandOver(ctx, e)
 	}
 	made := false
 	if e.Machine.Calls > 1 {
@@ -375,6 +382,13 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{}, Fail("SnapshotNotFound", "the snapshot is needed again for the upload: %w", err)
 	}
 	made := e.Machine.Calls > 1 // an earlier run may have bootstrapped
+	if made {
+		if _, err := talos.EtcdMembers(ctx, e.Talos, e.Address); err == nil {
+			// etcd answers on the recovering machine, which the reset
+			// left without it: an earlier run's Bootstrap made it.
+			return Outcome{Message: "etcd was bootstrapped from the snapshot by an earlier run"}, nil
+		}
+	}
 	for {
 		err := talos.UploadSnapshot(ctx, e.Talos, e.Address, local)
 		sent := err == nil

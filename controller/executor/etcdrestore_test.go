@@ -169,7 +169,7 @@ func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env
 	dir := t.TempDir()
 	first := &executor.Takeover{Dir: dir, Kube: kenv.Client, Clientset: kc, Log: testr.New(t)}
 	kctx, kill := context.WithCancel(ctx)
-	if err := first.Begin(kctx, e, cfg); err != nil {
+	if _, err := first.Begin(kctx, e, cfg); err != nil {
 		t.Fatal(err)
 	}
 	if !first.Owns(types.NamespacedName{Namespace: "default", Name: "restore"}) {

@@ -176,6 +176,10 @@ type Controller struct {
 	// spec.nodeName; empty outside a pod): a kind that shuts machines
 	// down (StopsMachines) takes it last in its tier.
 	Node string
+	// Takeover carries an etcd restore on outside the driver once the
+	// step that takes the API away begins (nil: the steps run in place,
+	// as when they are tested on their own).
+	Takeover *Takeover
 }
 
 // StepError is a failed step. The reconciler pauses the operation with
@@ -231,14 +235,15 @@ type Registry map[ichorv1.OperationKind]Executor
 // Default is the registry of the kinds this controller carries out.
 func Default() Registry {
 	return Registry{
-		ichorv1.KindTalos:      TalosUpgrade{},
-		ichorv1.KindKubernetes: KubernetesUpgrade{},
-		ichorv1.KindCNI:        CNIChange{},
-		ichorv1.KindIchor:      IchorUpgrade{},
-		ichorv1.KindConfig:     NewConfigRollout(),
-		ichorv1.KindNode:       NodeAction{},
-		ichorv1.KindCARotation: CARotation{},
-		ichorv1.KindShutdown:   ClusterShutdown{},
+		ichorv1.KindTalos:       TalosUpgrade{},
+		ichorv1.KindKubernetes:  KubernetesUpgrade{},
+		ichorv1.KindCNI:         CNIChange{},
+		ichorv1.KindIchor:       IchorUpgrade{},
+		ichorv1.KindConfig:      NewConfigRollout(),
+		ichorv1.KindNode:        NodeAction{},
+		ichorv1.KindCARotation:  CARotation{},
+		ichorv1.KindShutdown:    ClusterShutdown{},
+		ichorv1.KindEtcdRestore: EtcdRestore{},
 	}
 }
 

@@ -42,25 +42,36 @@ type Takeover struct {
 	Log       logr.Logger
 	// Dial options for the Talos client (tests redial fast).
 	TalosOptions []talosclient.OptionFunc
+	// TestHookAfterStep, when set, is called after a step of the tail
+	// returns, before the journal records the next: tests kill the
+	// controller there. Nil in production.
+	TestHookAfterStep func(machine, step string, err error)
 
 	mu    sync.Mutex
+	base  context.Context
 	owned map[types.NamespacedName]bool
 	wg    sync.WaitGroup
 }
 
-// handover is what a resumed takeover needs before the API answers.
+// handover is what a resumed takeover needs before the API answers: the
+// operation it owns (so that the driver leaves it alone from the start),
+// the talosconfig and the addresses.
 type handover struct {
+	Namespace     string   `json:"namespace"`
+	Name          string   `json:"name"`
 	Talosconfig   []byte   `json:"talosconfig"`
 	ControlPlanes []string `json:"controlPlanes"`
 	Address       string   `json:"address"`
 }
 
-// tail are the steps the takeover runs, in order.
-var tail = []Step{
-	{Name: StepResetAll, Timeout: 20 * time.Minute, Irreversible: true, Run: runResetAll},
-	{Name: StepRecover, Timeout: 15 * time.Minute, Irreversible: true, Run: runRecover},
-	{Name: StepRestored, Timeout: 15 * time.Minute, Run: runRestored},
+func (h handover) key() types.NamespacedName {
+	return types.NamespacedName{Namespace: h.Namespace, Name: h.Name}
 }
+
+// tail are the steps the takeover runs, in order: the etcd-restore
+// kind's from the reset on (a function: the reset step refers to the
+// takeover).
+func tail() []Step { return (EtcdRestore{}).Steps(nil, nil)[2:] }
 
 func (t *Takeover) file() string { return filepath.Join(t.Dir, "etcd-restore-handover.json") }
 
@@ -72,36 +83,133 @@ func (t *Takeover) Owns(key types.NamespacedName) bool {
 	return t.owned[key]
 }
 
-// Begin hands the operation over: the talosconfig (read while the API is
-// there), the journal of the operation and its machine, and the hand-over
-// file are written, and then the tail runs on ctx (the controller's
-// lifetime, not its leadership). It returns once the hand-over is
-// durable.
-func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) error {
-	h := handover{Talosconfig: talosconfig, ControlPlanes: e.ControlPlanes, Address: e.Address}
+// Start gives the takeover the controller's lifetime, on which the tails
+// Begin hands over run, and resumes one a killed controller left. The
+// controller calls it before its manager starts, whose runnables wait for
+// the API that a takeover brings back.
+func (t *Takeover) Start(ctx context.Context) error {
+	t.mu.Lock()
+	t.base = ctx
+	t.mu.Unlock()
+	return t.Resume(ctx)
+}
+
+// lifetime is the context the tails run on: Start's, or ctx without one
+// (tests that call Begin on their own).
+func (t *Takeover) lifetime(ctx context.Context) context.Context {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.base != nil {
+		return t.base
+	}
+	return ctx
+}
+
+// Begin hands the operation over: the journal of the operation and its
+// machine (carried on from an earlier Begin of the same operation, whose
+// reset may have been made), then the hand-over file with the talosconfig
+// (read while the API is there), and then the tail runs on the
+// takeover's lifetime (Start's context: the controller's, not its
+// leadership; ctx without one). It returns once the hand-over is durable,
+// with a channel that gives the tail's end.
+func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) (<-chan error, error) {
+	h := handover{Namespace: e.Op.Namespace, Name: e.Op.Name, Talosconfig: talosconfig, ControlPlanes: e.ControlPlanes, Address: e.Address}
 	j := journal.Journal{Talos: e.Talos, ControlPlanes: e.ControlPlanes}
+	st, _, err := j.ReadState(ctx)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case st == nil:
+		m := e.Machine
+		m.Step, m.Calls = tail()[0].Name, 0
+		st = &journal.State{UID: e.Op.UID, Machine: m}
+	case st.UID != e.Op.UID:
+		return nil, fmt.Errorf("the journal in META (keys 0x%x, 0x%x) holds another operation's etcd restore (uid %s) that did not finish: "+
+			"see the README's etcd restore section; once that restore is dealt with, clear the keys (talosctl meta delete) and retry", journal.StateKey, journal.OperationKey, st.UID)
+	default:
+		st.Machine.Phase = ichorv1.MachineInProgress // a retry after a failure of the tail
+	}
+	st.Seq++
 	if err := j.WriteOperation(ctx, e.Op); err != nil {
-		return err
+		return nil, err
 	}
-	m := e.Machine
-	m.Step, m.Calls = tail[0].Name, 0
-	st := journal.State{Seq: 1, UID: e.Op.UID, Machine: m}
-	if err := j.WriteState(ctx, st); err != nil {
-		return err
+	if err := j.WriteState(ctx, *st); err != nil {
+		return nil, err
 	}
+	if back, _, err := j.ReadState(ctx); err != nil || back == nil {
+		return nil, fmt.Errorf("read the journal back: %v", err)
+	}
+	if err := t.writeHandover(h); err != nil {
+		return nil, err
+	}
+	t.own(h.key(), true)
+	c, err := t.dial(ctx, h)
+	if err != nil {
+		t.own(h.key(), false)
+		return nil, err
+	}
+	return t.start(t.lifetime(ctx), h, c), nil
+}
+
+// writeHandover writes the hand-over file, whole or not at all.
+func (t *Takeover) writeHandover(h handover) error {
 	b, err := json.Marshal(h)
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(t.file(), b, 0o600); err != nil {
+	tmp := t.file() + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
 		return fmt.Errorf("write the hand-over file: %w", err)
 	}
-	if back, _, err := j.ReadState(ctx); err != nil || back == nil {
-		return fmt.Errorf("read the journal back: %v", err)
+	if err := os.Rename(tmp, t.file()); err != nil {
+		return fmt.Errorf("write the hand-over file: %w", err)
 	}
-	t.own(types.NamespacedName{Namespace: e.Op.Namespace, Name: e.Op.Name}, true)
-	t.start(ctx, h, e.Talos, false)
 	return nil
+}
+
+// dial builds the tail's own Talos client from the hand-over: it outlives
+// the driver's, which closes with the leadership.
+func (t *Takeover) dial(ctx context.Context, h handover) (*talosclient.Client, error) {
+	cfg, err := clientconfig.FromBytes(h.Talosconfig)
+	if err != nil {
+		return nil, fmt.Errorf("hand-over file %s: %w", t.file(), err)
+	}
+	return talosclient.New(ctx, append([]talosclient.OptionFunc{talosclient.WithConfig(cfg)}, t.TalosOptions...)...)
+}
+
+// HandOver is the driver's reset-control-planes step when the controller
+// has a takeover: once status records the step (its intent), the tail is
+// handed over, and the step waits for it to end (or for the leadership to
+// go, when the tail goes on without it). The takeover writes the
+// operation's final status itself; the driver leaves the operation alone
+// meanwhile (Owns).
+func (t *Takeover) HandOver(ctx context.Context, e *Env) (Outcome, error) {
+	cfg, err := ReadTalosconfig(ctx, e.Kube, e.Controller.Namespace)
+	if err != nil {
+		return Outcome{}, err
+	}
+	done, err := t.Begin(ctx, e, cfg)
+	if err != nil {
+		return Outcome{}, Fail("HandOverFailed", "hand the etcd restore over to the takeover: %w", err)
+	}
+	e.report("handed over: the takeover resets the control planes and restores etcd; the API goes away meanwhile")
+	select {
+	case err := <-done:
+		if err != nil {
+			return Outcome{}, Fail("RestoreFailed", "%w", err)
+		}
+		return Outcome{Done: true, Message: "etcd restored; the takeover wrote the final status"}, nil
+	case <-ctx.Done():
+		return Outcome{}, ctx.Err()
+	}
+}
+
+// Busy says whether a takeover carries an operation out now.
+func (t *Takeover) Busy() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.owned) > 0
 }
 
 // own marks the operation as the takeover's, or not.
@@ -133,32 +241,34 @@ func (t *Takeover) Resume(ctx context.Context) error {
 	if err := json.Unmarshal(b, &h); err != nil {
 		return fmt.Errorf("hand-over file %s: %w", t.file(), err)
 	}
-	cfg, err := clientconfig.FromBytes(h.Talosconfig)
-	if err != nil {
-		return fmt.Errorf("hand-over file %s: %w", t.file(), err)
-	}
-	c, err := talosclient.New(ctx, append([]talosclient.OptionFunc{talosclient.WithConfig(cfg)}, t.TalosOptions...)...)
+	c, err := t.dial(ctx, h)
 	if err != nil {
 		return err
 	}
-	t.start(ctx, h, c, true)
+	t.own(h.key(), true)
+	t.start(ctx, h, c)
 	return nil
 }
 
 // Wait waits for the tails running to end (tests).
 func (t *Takeover) Wait() { t.wg.Wait() }
 
-func (t *Takeover) start(ctx context.Context, h handover, c *talosclient.Client, closeClient bool) {
+// start runs the tail in a goroutine with its own client c, the
+// operation owned until it ends; the channel gives its end.
+func (t *Takeover) start(ctx context.Context, h handover, c *talosclient.Client) <-chan error {
+	done := make(chan error, 1)
 	t.wg.Add(1)
 	go func() {
 		defer t.wg.Done()
-		if closeClient {
-			defer c.Close()
-		}
-		if err := t.run(ctx, h, c); err != nil && ctx.Err() == nil {
+		defer c.Close()
+		defer t.own(h.key(), false)
+		err := t.run(ctx, h, c)
+		if err != nil && ctx.Err() == nil {
 			t.Log.Error(err, "etcd restore takeover")
 		}
+		done <- err
 	}()
+	return done
 }
 
 // run reads the journal (retrying while no control plane answers) and
@@ -181,17 +291,19 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 	if st == nil || jop == nil {
 		return os.Remove(t.file()) // nothing journalled: nothing to resume
 	}
-	key := types.NamespacedName{Namespace: jop.Namespace, Name: jop.Name}
-	t.own(key, true)
-	defer t.own(key, false)
+	if st.Machine.Phase == ichorv1.MachineFailed {
+		// Not retried by itself: a retry of the operation hands it over again.
+		return fmt.Errorf("the etcd restore of %s/%s failed at %s and waits for a retry: %s", jop.Namespace, jop.Name, st.Machine.Step, st.Machine.Message)
+	}
 
 	op := &ichorv1.TalosOperation{Spec: jop.Spec}
 	op.Namespace, op.Name, op.UID = jop.Namespace, jop.Name, jop.UID
 	e := &Env{Op: op, Machine: st.Machine, Address: h.Address, ControlPlanes: h.ControlPlanes, Talos: c,
 		Kube: t.Kube, Live: t.Kube, Clientset: t.Clientset, Log: t.Log}
 	seq := st.Seq
-	for i := t.from(st.Machine.Step); i < len(tail); i++ {
-		s := tail[i]
+	steps := tail()
+	for i := t.from(st.Machine.Step); i < len(steps); i++ {
+		s := steps[i]
 		if e.Machine.Step != s.Name {
 			e.Machine.Step, e.Machine.Calls = s.Name, 0
 		}
@@ -205,6 +317,9 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 		sctx, cancel := context.WithTimeout(ctx, s.Timeout)
 		out, err := s.Run(sctx, e)
 		cancel()
+		if t.TestHookAfterStep != nil {
+			t.TestHookAfterStep(e.Machine.Name, s.Name, err)
+		}
 		if err != nil && ctx.Err() != nil {
 			return ctx.Err() // killed: the journal says where to resume
 		}
@@ -228,7 +343,7 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 // from is the index in tail of the journalled step (the first for one
 // before the tail).
 func (t *Takeover) from(step string) int {
-	for i, s := range tail {
+	for i, s := range tail() {
 		if s.Name == step {
 			return i
 		}

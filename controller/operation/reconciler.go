@@ -91,6 +91,12 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if v, ok := r.superseded.Load(op.UID); ok && v.(string) == op.ResourceVersion {
 		return ctrl.Result{}, nil
 	}
+	if tk := r.Controller.Takeover; tk != nil && tk.Owns(req.NamespacedName) {
+		// An etcd restore carried on outside the driver: its status here
+		// is from before, or from a store about to be rewound. The
+		// takeover writes the final one; look again after it.
+		return ctrl.Result{RequeueAfter: 10 * time.Second}, nil
+	}
 	log := r.Log.WithValues("operation", req.NamespacedName.String())
 	ctx = logr.NewContext(ctx, log)
 	r.runner.settle(op)

@@ -1,0 +1,216 @@
+package operation_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/johannesboyne/gofakes3"
+	"github.com/johannesboyne/gofakes3/backend/s3mem"
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/journal"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/controller/snapshot"
+	"maesh.dev/ichor/internal/testcluster"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
+)
+
+// TestEtcdRestore restores a hosted fleet (three control planes, a real
+// etcd behind real API servers) from a snapshot taken before three
+// ConfigMaps and the operation were created, through the controller: the
+// three are gone, every control plane is a healthy member, the operation
+// is back (written from the journal), Succeeded with the snapshot's
+// revision, and the journal is cleared. With the controller killed after
+// each step of the flow (before status or the journal records its end)
+// and started again, it ends the same; from S3, with the credentials of
+// the Secret the operation names, too. Every irreversible call (etcd
+// leave, reset, recovery) reaches each machine at most once.
+func TestEtcdRestore(t *testing.T) {
+	for _, c := range []struct {
+		name, killAfter string
+		s3              bool
+	}{
+		{name: "file"},
+		{name: "s3", s3: true},
+		{name: "killed after check-snapshot", killAfter: executor.StepCheckSnapshot},
+		{name: "killed after etcd-leave-others", killAfter: executor.StepLeaveOthers},
+		{name: "killed after reset-control-planes", killAfter: executor.StepResetAll},
+		{name: "killed after recover-etcd", killAfter: executor.StepRecover},
+		{name: "killed after etcd-restored", killAfter: executor.StepRestored, s3: true},
+	} {
+		t.Run(c.name, func(t *testing.T) { testEtcdRestore(t, c.killAfter, c.s3) })
+	}
+}
+
+func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
+	// The controller keeps its hand-over file and downloaded snapshots in
+	// TMPDIR, the Deployment's emptyDir: every controller of the test
+	// shares it, as containers of one pod do.
+	t.Setenv("TMPDIR", t.TempDir())
+	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 0), testenv.Components{})
+	ctx := context.Background()
+	const ns = "default"
+	testcluster.WriteTalosconfig(t, henv, fleet, ns)
+	tc, err := talosclient.New(ctx, talosclient.WithConfig(fleet.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	cps := fleet.ControlPlanes()
+	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
+	spec := &ichorv1.EtcdRestore{Snapshot: "file://" + snap}
+	var bucket *s3mem.Backend
+	if s3 {
+		spec = &ichorv1.EtcdRestore{Snapshot: "s3://backups/etcd.snapshot", Secret: "backup-credentials"}
+		bucket = s3Server(t, henv, ns, spec.Secret)
+	}
+	testcluster.TakeSnapshot(t, tc, cps[0], snap)
+	if bucket != nil {
+		putObject(t, bucket, "etcd.snapshot", snap)
+		snap2 := snap + ".gone"
+		if err := os.Rename(snap, snap2); err != nil { // the controller must read it from the bucket
+			t.Fatal(err)
+		}
+		snap = snap2
+	}
+	want, err := snapshot.Verify(snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	testenv.CreateConfigMaps(t, henv.Kube, "after0", "after1", "after2")
+
+	var ctl atomic.Pointer[testcluster.Controller]
+	killed := make(chan struct{})
+	var once sync.Once
+	hook := func(s operation.StepRun) {
+		if s.Step == killAfter && s.Err == nil {
+			once.Do(func() {
+				ctl.Load().Kill()
+				close(killed)
+			})
+		}
+	}
+	start := func() {
+		ctl.Store(testcluster.StartKillable(t, henv.Config, app.Options{Namespace: ns, TestHookAfterRun: hook}))
+	}
+	start()
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "restore"},
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, EtcdRestore: spec}}
+	if err := henv.Client.Create(ctx, op); err != nil {
+		t.Fatal(err)
+	}
+	if killAfter != "" {
+		select {
+		case <-killed:
+		case <-time.After(5 * time.Minute):
+			t.Fatalf("%s never ran", killAfter)
+		}
+		ctl.Load().Stop()
+		start()
+	}
+
+	got := &ichorv1.TalosOperation{}
+	testenv.Eventually(t, 6*time.Minute, "the operation back and Succeeded", func(ctx context.Context) (bool, error) {
+		if err := henv.Client.Get(ctx, client.ObjectKeyFromObject(op), got); err != nil {
+			return false, nil // the API is away while the restore works
+		}
+		if p := got.Status.Phase; p == ichorv1.PhasePaused || p == ichorv1.PhaseRefused {
+			return false, fmt.Errorf("the restore is %s: %s %s", p, got.Status.FailureReason, got.Status.Message)
+		}
+		return got.Succeeded(), nil
+	})
+	if cms, err := testenv.ConfigMaps(henv.Kube); err != nil || cms != "" {
+		t.Errorf("after the restore the ConfigMaps are %q (%v), want those created after the snapshot gone", cms, err)
+	}
+	ms := got.Status.Machines
+	if len(ms) != 1 || ms[0].To != fmt.Sprintf("revision %d", want.Revision) {
+		t.Errorf("the operation's machines: %+v, want the snapshot's revision %d", ms, want.Revision)
+	}
+	if got.Annotations[journal.RestoredFromAnnotation] == "" {
+		t.Errorf("the operation was not re-made from the journal: %v", got.Annotations)
+	}
+	st := fleet.Etcd()
+	healthy := 0
+	for _, m := range st.Members {
+		if m.Healthy {
+			healthy++
+		}
+	}
+	if len(st.Members) != 3 || healthy != 3 || st.Leader == "" {
+		t.Errorf("etcd after the restore: %+v, want the 3 control planes healthy members with a leader", st)
+	}
+	var addrs []string
+	for _, cp := range cps {
+		addrs = append(addrs, cp.Address())
+	}
+	// The journal is cleared once the operation is written back (a
+	// controller killed between the two writes it back again).
+	j := journal.Journal{Talos: tc, ControlPlanes: addrs}
+	testenv.Eventually(t, 30*time.Second, "the journal cleared", func(ctx context.Context) (bool, error) {
+		s, o, err := j.ReadState(ctx)
+		return s == nil && o == nil && err == nil, nil
+	})
+	rec := fleet.Recorder()
+	for _, cp := range cps {
+		for _, method := range []string{"EtcdLeaveCluster", "Reset", "EtcdRecover", "Bootstrap"} {
+			n := 0
+			for _, c := range rec.Handled(cp.Name(), method) {
+				if c.Accepted() {
+					n++
+				}
+			}
+			if n > 1 {
+				t.Errorf("%s accepted %d %s calls, want at most one", cp.Name(), n, method)
+			}
+		}
+		if n := len(rec.Handled(cp.Name(), "Reset")); n != 1 {
+			t.Errorf("%s got %d Reset calls, want one", cp.Name(), n)
+		}
+	}
+}
+
+// s3Server serves a real S3 server (gofakes3) with a bucket "backups"
+// for the test, and stores its credentials in the Secret named (before
+// the snapshot is taken, so that the restored store has it too).
+func s3Server(t *testing.T, henv *testenv.Env, ns, secret string) *s3mem.Backend {
+	t.Helper()
+	backend := s3mem.New()
+	srv := httptest.NewServer(gofakes3.New(backend).Server())
+	t.Cleanup(srv.Close)
+	if err := backend.CreateBucket("backups"); err != nil {
+		t.Fatal(err)
+	}
+	s := &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: secret}, Data: map[string][]byte{
+		"AWS_ACCESS_KEY_ID": []byte("ichor"), "AWS_SECRET_ACCESS_KEY": []byte("secret"), "AWS_ENDPOINT_URL": []byte(srv.URL)}}
+	if err := henv.Client.Create(context.Background(), s); err != nil {
+		t.Fatal(err)
+	}
+	return backend
+}
+
+// putObject uploads the file at path to the bucket "backups" as key.
+func putObject(t *testing.T, backend *s3mem.Backend, key, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := backend.PutObject("backups", key, map[string]string{}, bytes.NewReader(b), int64(len(b)), nil); err != nil {
+		t.Fatal(err)
+	}
+}
