@@ -170,6 +170,17 @@ func TestWriteBack(t *testing.T) {
 	if again := check("written back twice"); again.UID != cur.UID {
 		t.Fatal("a second write-back made another object")
 	}
+	// A write-back that ended after the re-creation, before its status and
+	// unpause: the next one finishes it.
+	patch := client.MergeFrom(cur.DeepCopy())
+	cur.Spec.Paused = true
+	if err := env.Client.Patch(ctx, cur, patch); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := journal.WriteBack(ctx, env.Client, o, m, "etcd restored to revision 7", time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	check("written back after one left it paused")
 	other := *o
 	other.UID = "uid-2"
 	if _, err := journal.WriteBack(ctx, env.Client, &other, m, "x", time.Now()); err == nil || !strings.Contains(err.Error(), "another one") {

@@ -23,13 +23,13 @@ const RestoredFromAnnotation = "ichor.maesh.dev/restored-from-journal"
 // when the snapshot predates it; then its final status, the machine as the
 // journal last recorded it, Succeeded. A re-made operation is created
 // paused, so that no controller starts it before its status says it is
-// done, and unpaused after.
+// done, and unpaused after (by a later write-back, when this one ends
+// before).
 func WriteBack(ctx context.Context, c client.Client, o *Operation, m ichorv1.MachineStatus, message string, now time.Time) (*ichorv1.TalosOperation, error) {
 	op := &ichorv1.TalosOperation{}
 	err := c.Get(ctx, client.ObjectKey{Namespace: o.Namespace, Name: o.Name}, op)
-	remade := apierrors.IsNotFound(err)
 	switch {
-	case remade:
+	case apierrors.IsNotFound(err):
 		op = &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: o.Namespace, Name: o.Name,
 			Annotations: map[string]string{RestoredFromAnnotation: string(o.UID)}}, Spec: o.Spec}
 		op.Spec.Paused = true
@@ -52,7 +52,9 @@ func WriteBack(ctx context.Context, c client.Client, o *Operation, m ichorv1.Mac
 	if err := c.Status().Update(ctx, op); err != nil {
 		return nil, fmt.Errorf("write the final status of %s/%s: %w", o.Namespace, o.Name, err)
 	}
-	if remade {
+	if op.Spec.Paused && op.Annotations[RestoredFromAnnotation] == string(o.UID) {
+		// Re-made here, or by an earlier write-back whose status or
+		// unpause did not get through.
 		patch := client.MergeFrom(op.DeepCopy())
 		op.Spec.Paused = false
 		if err := c.Patch(ctx, op, patch); err != nil {
