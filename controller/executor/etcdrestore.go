@@ -22,6 +22,7 @@ import (
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/journal"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/snapshot"
 	"maesh.dev/ichor/controller/talos"
@@ -282,6 +283,9 @@ func runLeaveOthers(ctx context.Context, e *Env) (Outcome, error) {
 	if err := e.requireAddress(); err != nil {
 		return Outcome{}, err
 	}
+	if err := notJournalled(ctx, e); err != nil {
+		return Outcome{}, err
+	}
 	members, err := talos.EtcdMembers(ctx, e.Talos, e.Address)
 	if err != nil {
 		return Outcome{}, Fail("EtcdUnavailable", "%w", err)
@@ -312,6 +316,28 @@ func runLeaveOthers(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{Message: "the other control planes had left etcd already"}, nil
 	}
 	return Outcome{Message: fmt.Sprintf("%s left etcd", strings.Join(left, ", "))}, nil
+}
+
+// notJournalled fails when the journal in META holds a restore already:
+// this operation's, which was handed over before and goes on from its
+// hand-over (a store rewound to a snapshot taken while the operation ran
+// has it again, at a step before; another replica may lead), or another
+// operation's that did not finish. Leaving etcd again would take members
+// out of the restored cluster, or out from under that restore.
+func notJournalled(ctx context.Context, e *Env) error {
+	st, _, err := journal.Journal{Talos: e.Talos, ControlPlanes: e.ControlPlanes}.ReadState(ctx)
+	switch {
+	case err != nil:
+		return Fail("JournalUnreadable", "read the etcd restore journal in META before etcd is left: %w", err)
+	case st == nil:
+		return nil
+	case st.UID == e.Op.UID:
+		return Fail("RestoreHandedOver", "the journal in META (keys 0x%x, 0x%x) holds this operation's restore at %s: it was handed over already and goes on from its hand-over; nothing left etcd again",
+			journal.StateKey, journal.OperationKey, st.Machine.Step)
+	default:
+		return Fail("RestoreUnderWay", "the journal in META (keys 0x%x, 0x%x) holds another operation's etcd restore (uid %s, at %s) that did not finish: "+
+			"see the README's etcd restore section; once that restore is dealt with, clear the keys (talosctl meta delete) and retry", journal.StateKey, journal.OperationKey, st.UID, st.Machine.Step)
+	}
 }
 
 // runResetAll resets every control plane at once with EPHEMERAL wiped,

@@ -3,6 +3,7 @@ package executor_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"google.golang.org/grpc/codes"
 	"net/http/httptest"
 	"os"
@@ -331,6 +332,50 @@ func TestEtcdRestoreRefusesControllerOnControlPlane(t *testing.T) {
 		got := (executor.EtcdRestore{}).Check(context.Background(), e)
 		if len(got) != 1 || !strings.Contains(got[0], want) {
 			t.Errorf("controller on %q: %q, want %q", node, got, want)
+		}
+	}
+}
+
+// TestEtcdRestoreLeavesNothingWhileJournalled: with the journal in META
+// holding a restore (this operation's, handed over before the store was
+// rewound to a snapshot that has it again; or another's), etcd-leave-others
+// fails saying so and no control plane is asked to leave etcd.
+func TestEtcdRestoreLeavesNothingWhileJournalled(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	spec := sim.Cluster("", 3, 0)
+	spec.Logf = t.Logf
+	f, err := sim.Start(ctx, spec, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Stop()
+	tc, err := talosclient.New(ctx, talosclient.WithConfig(f.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	var addrs []string
+	for _, cp := range f.ControlPlanes() {
+		addrs = append(addrs, cp.Address())
+	}
+	j := journal.Journal{Talos: tc, ControlPlanes: addrs}
+	if err := j.WriteState(ctx, journal.State{Seq: 1, UID: "handed-over", Machine: ichorv1.MachineStatus{Step: executor.StepRecover}}); err != nil {
+		t.Fatal(err)
+	}
+	leave := (executor.EtcdRestore{}).Steps(nil, nil)[1]
+	for uid, want := range map[types.UID]string{"handed-over": "RestoreHandedOver", "another": "RestoreUnderWay"} {
+		op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{UID: uid}, Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, EtcdRestore: &ichorv1.EtcdRestore{}}}
+		e := &executor.Env{Op: op, Machine: ichorv1.MachineStatus{Name: f.ControlPlanes()[0].Name(), Step: leave.Name, Calls: 1},
+			Address: addrs[0], ControlPlanes: addrs, Talos: tc, Log: testr.New(t)}
+		_, err := leave.Run(ctx, e)
+		if got := executor.Reason(leave.Name, err); got != want || !strings.Contains(fmt.Sprint(err), "recover-etcd") {
+			t.Errorf("op %s: %s (%v), want %s naming the journalled step", uid, got, err, want)
+		}
+	}
+	for _, cp := range f.ControlPlanes() {
+		if n := len(f.Recorder().Handled(cp.Name(), "EtcdLeaveCluster")); n != 0 {
+			t.Errorf("%s was asked %d times to leave etcd", cp.Name(), n)
 		}
 	}
 }
