@@ -331,13 +331,27 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 		}
 		e.Machine.Message = out.Message
 	}
-	if _, err := journal.WriteBack(ctx, t.Kube, jop, e.Machine, e.Machine.Message, time.Now()); err != nil {
+	// etcd is restored: the operation goes back however long the API
+	// takes to answer steadily (a failure here is not the restore's).
+	for {
+		err := writeBack(ctx, j, t.Kube, jop, e.Machine)
+		if err == nil {
+			return os.Remove(t.file())
+		}
+		t.Log.Info("etcd is restored; writing the operation back again", "operation", jop.Namespace+"/"+jop.Name, "why", err.Error())
+		if pause(ctx, 2*time.Second) != nil {
+			return err
+		}
+	}
+}
+
+// writeBack puts the operation back with its final status, then clears
+// the journal: a controller killed between the two writes it back again.
+func writeBack(ctx context.Context, j journal.Journal, c client.Client, jop *journal.Operation, m ichorv1.MachineStatus) error {
+	if _, err := journal.WriteBack(ctx, c, jop, m, m.Message, time.Now()); err != nil {
 		return err
 	}
-	if err := j.Clear(ctx); err != nil {
-		return err
-	}
-	return os.Remove(t.file())
+	return j.Clear(ctx)
 }
 
 // from is the index in tail of the journalled step (the first for one

@@ -39,7 +39,8 @@ import (
 // each step of the flow (before status or the journal records its end)
 // and started again, it ends the same; from S3, with the credentials of
 // the Secret the operation names, too. Every irreversible call (etcd
-// leave, reset, recovery) reaches each machine at most once.
+// leave, reset, bootstrap) reaches each machine at most once, and no
+// snapshot upload follows the bootstrap.
 func TestEtcdRestore(t *testing.T) {
 	for _, c := range []struct {
 		name, killAfter string
@@ -167,20 +168,34 @@ func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
 	})
 	rec := fleet.Recorder()
 	for _, cp := range cps {
-		for _, method := range []string{"EtcdLeaveCluster", "Reset", "EtcdRecover", "Bootstrap"} {
-			n := 0
+		accepted := map[string][]sim.Call{}
+		for _, method := range []string{"EtcdLeaveCluster", "Reset", "Bootstrap", "EtcdRecover"} {
 			for _, c := range rec.Handled(cp.Name(), method) {
 				if c.Accepted() {
-					n++
+					accepted[method] = append(accepted[method], c)
 				}
 			}
-			if n > 1 {
+		}
+		// The irreversible calls: at most one each. The upload (EtcdRecover)
+		// may repeat while Bootstrap is not available yet, never after it.
+		for _, method := range []string{"EtcdLeaveCluster", "Reset", "Bootstrap"} {
+			if n := len(accepted[method]); n > 1 {
 				t.Errorf("%s accepted %d %s calls, want at most one", cp.Name(), n, method)
+			}
+		}
+		if b := accepted["Bootstrap"]; len(b) == 1 {
+			for _, u := range accepted["EtcdRecover"] {
+				if u.At.After(b[0].At) {
+					t.Errorf("%s accepted an EtcdRecover upload %s after its Bootstrap", cp.Name(), u.At.Sub(b[0].At))
+				}
 			}
 		}
 		if n := len(rec.Handled(cp.Name(), "Reset")); n != 1 {
 			t.Errorf("%s got %d Reset calls, want one", cp.Name(), n)
 		}
+	}
+	if n := len(rec.Handled(cps[0].Name(), "Bootstrap")); n == 0 {
+		t.Errorf("%s, the recovering machine, was never bootstrapped", cps[0].Name())
 	}
 }
 
