@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -120,6 +121,9 @@ type Controller struct {
 	o        Options
 	takeover *executor.Takeover
 	elected  chan struct{}
+	// conn is the Talos connector of the manager built last, where every
+	// client's refused Kubernetes credentials are replaced (kubeaccess).
+	conn atomic.Pointer[talos.Connector]
 }
 
 // New prepares the controller. The manager is built when it starts: a
@@ -133,11 +137,16 @@ func New(cfg *rest.Config, o Options) (*Controller, error) {
 	if o.Executors == nil {
 		o.Executors = executor.Default()
 	}
-	live, err := client.New(cfg, client.Options{Scheme: Scheme})
+	c := &Controller{o: o, elected: make(chan struct{})}
+	// Every client, the manager's and the takeover's, keeps its access
+	// through a Kubernetes CA rotation: on refused credentials, an admin
+	// kubeconfig from the Talos API.
+	c.cfg = kubeaccess.Wrap(cfg, func(ctx context.Context) ([]byte, error) { return talosKubeconfig(ctx, c.conn.Load()) }, o.Log.WithName("kubeaccess"))
+	live, err := client.New(c.cfg, client.Options{Scheme: Scheme})
 	if err != nil {
 		return nil, fmt.Errorf("client: %w", err)
 	}
-	cs, err := kubernetes.NewForConfig(cfg)
+	cs, err := kubernetes.NewForConfig(c.cfg)
 	if err != nil {
 		return nil, fmt.Errorf("clientset: %w", err)
 	}
@@ -148,7 +157,8 @@ func New(cfg *rest.Config, o Options) (*Controller, error) {
 			hook(operation.StepRun{Machine: machine, Step: step, Err: err})
 		}
 	}
-	return &Controller{cfg: cfg, o: o, takeover: tk, elected: make(chan struct{})}, nil
+	c.takeover = tk
+	return c, nil
 }
 
 // Elected is closed once the controller leads (at once, once its manager
@@ -166,7 +176,7 @@ func (c *Controller) Start(ctx context.Context) error {
 		return fmt.Errorf("resume the etcd restore: %w", err)
 	}
 	for {
-		mgr, err := build(c.cfg, c.o, c.takeover)
+		mgr, err := build(c.cfg, c.o, c.takeover, &c.conn)
 		if err == nil {
 			go func() {
 				select {
@@ -189,8 +199,9 @@ func (c *Controller) Start(ctx context.Context) error {
 	}
 }
 
-// build builds the manager with every reconciler registered.
-func build(cfg *rest.Config, o Options, tk *executor.Takeover) (ctrl.Manager, error) {
+// build builds the manager with every reconciler registered, and stores
+// its Talos connector in conn.
+func build(cfg *rest.Config, o Options, tk *executor.Takeover, conn *atomic.Pointer[talos.Connector]) (ctrl.Manager, error) {
 	mo := ctrl.Options{
 		Scheme:                        Scheme,
 		Logger:                        o.Log,
@@ -206,11 +217,6 @@ func build(cfg *rest.Config, o Options, tk *executor.Takeover) (ctrl.Manager, er
 	if o.LeaseDuration > 0 {
 		mo.LeaseDuration, mo.RenewDeadline, mo.RetryPeriod = &o.LeaseDuration, &o.RenewDeadline, &o.RetryPeriod
 	}
-	// Every client keeps its access through a Kubernetes CA rotation: on
-	// refused credentials, an admin kubeconfig from the Talos API (conn is
-	// set below, before the manager starts).
-	var conn *talos.Connector
-	cfg = kubeaccess.Wrap(cfg, func(ctx context.Context) ([]byte, error) { return talosKubeconfig(ctx, conn) }, o.Log.WithName("kubeaccess"))
 	mgr, err := ctrl.NewManager(cfg, mo)
 	if err != nil {
 		return nil, fmt.Errorf("new manager: %w", err)
@@ -239,25 +245,26 @@ func build(cfg *rest.Config, o Options, tk *executor.Takeover) (ctrl.Manager, er
 		self.Chart = *o.CiliumChart
 	}
 	self.Takeover = tk
-	conn = &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
+	tc := &talos.Connector{Reader: mgr.GetClient(), Namespace: o.Namespace, DialOptions: o.TalosDialOptions}
+	conn.Store(tc)
 	// The Talos client closes with the manager, once the steps using it end.
 	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
 		<-ctx.Done()
-		return conn.Close()
+		return tc.Close()
 	})); err != nil {
 		return nil, err
 	}
 	r := &operation.Reconciler{
 		Client: mgr.GetClient(), Clientset: cs, Recorder: mgr.GetEventRecorder("ichor-controller"),
 		Live: live, Controller: self,
-		Lock: lk, Talos: conn,
+		Lock: lk, Talos: tc,
 		Compat: table, Executors: o.Executors, StepTimeout: o.StepTimeout,
 		Log: o.Log.WithName("operation"), TestHookAfterRun: o.TestHookAfterRun,
 	}
 	if err := r.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the operation reconciler: %w", err)
 	}
-	m := &membership.Reconciler{Client: mgr.GetClient(), Lock: lk, Talos: conn, Recorder: mgr.GetEventRecorder("ichor-controller"), Log: o.Log.WithName("membership")}
+	m := &membership.Reconciler{Client: mgr.GetClient(), Lock: lk, Talos: tc, Recorder: mgr.GetEventRecorder("ichor-controller"), Log: o.Log.WithName("membership")}
 	if err := m.SetupWithManager(mgr); err != nil {
 		return nil, fmt.Errorf("set up the membership reconciler: %w", err)
 	}
