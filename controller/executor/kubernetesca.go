@@ -378,10 +378,14 @@ func (c k8sCheck) verify(ctx context.Context, e *Env, s *k8sCAState) error {
 }
 
 func (c k8sCheck) once(ctx context.Context, e *Env, s *k8sCAState) error {
+	var first *rest.Config // the first control plane's, as it issued it
 	for _, cp := range e.ControlPlanes {
 		rc, err := talosKubeconfig(ctx, e.Talos, cp)
 		if err != nil {
 			return err
+		}
+		if first == nil {
+			first = rest.CopyConfig(rc)
 		}
 		if c >= k8sSwapped {
 			if err := kubepki.IssuedBy(rc.CertData, s.new.Crt); err != nil {
@@ -398,10 +402,7 @@ func (c k8sCheck) once(ctx context.Context, e *Env, s *k8sCAState) error {
 	}
 	switch c {
 	case k8sAccepted:
-		rc, err := talosKubeconfig(ctx, e.Talos, e.ControlPlanes[0])
-		if err != nil {
-			return err
-		}
+		rc := first
 		if err := withClientOf(rc, s.new); err != nil {
 			return err
 		}
@@ -409,21 +410,19 @@ func (c k8sCheck) once(ctx context.Context, e *Env, s *k8sCAState) error {
 			return fmt.Errorf("with a client certificate of the new Kubernetes CA: %w", err)
 		}
 	case k8sDropped:
-		return oldK8sRefused(ctx, e, s)
+		return oldK8sRefused(ctx, e, s, first)
 	}
 	return nil
 }
 
 // oldK8sRefused checks that client certificates of the old CA are refused
-// (401), each on a new connection through the endpoint (one more than
-// there are control planes, so that the endpoint's balancing meets more
-// than one API server).
-func oldK8sRefused(ctx context.Context, e *Env, s *k8sCAState) error {
+// (401) through the endpoint of kubeconfig, each on a new connection (a
+// new certificate each: client-go shares a transport only between equal
+// TLS configurations), one more than there are control planes, so that
+// the endpoint's balancing meets more than one API server.
+func oldK8sRefused(ctx context.Context, e *Env, s *k8sCAState, kubeconfig *rest.Config) error {
 	for range len(e.ControlPlanes) + 1 {
-		rc, err := talosKubeconfig(ctx, e.Talos, e.ControlPlanes[0])
-		if err != nil {
-			return err
-		}
+		rc := rest.CopyConfig(kubeconfig)
 		rc.CAData = s.new.Crt
 		if err := withClientOf(rc, s.old); err != nil {
 			return err
