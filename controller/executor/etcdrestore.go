@@ -415,9 +415,21 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{Message: "etcd was bootstrapped from the snapshot by an earlier run"}, nil
 		}
 	}
+	// Once this run has sent a Bootstrap that was not refused, it may have
+	// taken effect: from then on only the Bootstrap is sent again (its
+	// AlreadyExists is the answer that did not come), never the upload,
+	// which would leave a snapshot beside the restored store. A run after
+	// a crash (made from the start) uploads again: it cannot know that the
+	// earlier run's upload is there, and a Bootstrap without it restores
+	// nothing.
+	bootstrapped := false
 	for {
-		err := talos.UploadSnapshot(ctx, e.Talos, e.Address, local)
-		sent := err == nil
+		var err error
+		sent := bootstrapped
+		if !bootstrapped {
+			err = talos.UploadSnapshot(ctx, e.Talos, e.Address, local)
+			sent = err == nil
+		}
 		if sent {
 			err = talos.BootstrapFromSnapshot(ctx, e.Talos, e.Address)
 		}
@@ -435,6 +447,7 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 		// Refused before anything changed, or not answered: only the
 		// refusal says that no Bootstrap was made.
 		made = made || sent && code != codes.FailedPrecondition
+		bootstrapped = bootstrapped || sent && code != codes.FailedPrecondition
 		e.report("waiting for Talos to be ready for the recovery: " + err.Error())
 		if err := pause(ctx, time.Second); err != nil {
 			return Outcome{}, Fail("RecoverTimedOut", "Talos on %s was not ready for the recovery in time", e.Machine.Name)

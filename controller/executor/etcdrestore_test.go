@@ -122,6 +122,10 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	if len(st.Members) != 3 || st.Leader != rec.Name() {
 		t.Fatalf("etcd after the restore: %+v", st)
 	}
+	// The Bootstrap whose answer was lost is sent again, not the upload.
+	if late := testcluster.UploadsAfterBootstrap(f.Recorder(), rec.Name()); len(late) != 0 {
+		t.Errorf("%s accepted EtcdRecover uploads %v after its Bootstrap", rec.Name(), late)
+	}
 
 	// Reruns after the call was made: no reset, no second bootstrap.
 	boots := map[string]string{}

@@ -169,7 +169,7 @@ func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
 	rec := fleet.Recorder()
 	for _, cp := range cps {
 		accepted := map[string][]sim.Call{}
-		for _, method := range []string{"EtcdLeaveCluster", "Reset", "Bootstrap", "EtcdRecover"} {
+		for _, method := range []string{"EtcdLeaveCluster", "Reset", "Bootstrap"} {
 			for _, c := range rec.Handled(cp.Name(), method) {
 				if c.Accepted() {
 					accepted[method] = append(accepted[method], c)
@@ -177,18 +177,14 @@ func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
 			}
 		}
 		// The irreversible calls: at most one each. The upload (EtcdRecover)
-		// may repeat while Bootstrap is not available yet, never after it.
+		// may repeat while Bootstrap is refused, never after it.
 		for _, method := range []string{"EtcdLeaveCluster", "Reset", "Bootstrap"} {
 			if n := len(accepted[method]); n > 1 {
 				t.Errorf("%s accepted %d %s calls, want at most one", cp.Name(), n, method)
 			}
 		}
-		if b := accepted["Bootstrap"]; len(b) == 1 {
-			for _, u := range accepted["EtcdRecover"] {
-				if u.At.After(b[0].At) {
-					t.Errorf("%s accepted an EtcdRecover upload %s after its Bootstrap", cp.Name(), u.At.Sub(b[0].At))
-				}
-			}
+		if late := testcluster.UploadsAfterBootstrap(rec, cp.Name()); len(late) != 0 {
+			t.Errorf("%s accepted EtcdRecover uploads %v after its Bootstrap", cp.Name(), late)
 		}
 		if n := len(rec.Handled(cp.Name(), "Reset")); n != 1 {
 			t.Errorf("%s got %d Reset calls, want one", cp.Name(), n)

@@ -33,3 +33,26 @@ func TakeSnapshot(t testing.TB, c *talosclient.Client, m *sim.Machine, path stri
 		t.Fatal(err)
 	}
 }
+
+// UploadsAfterBootstrap is how long after the Bootstrap machine accepted
+// each EtcdRecover upload it accepted later came: none, when a recovery
+// uploads before it bootstraps (retrying the upload while Bootstrap is
+// refused) and never after.
+func UploadsAfterBootstrap(rec *sim.Recorder, machine string) []time.Duration {
+	var boots []sim.Call
+	for _, c := range rec.Handled(machine, "Bootstrap") {
+		if c.Accepted() {
+			boots = append(boots, c)
+		}
+	}
+	if len(boots) == 0 {
+		return nil
+	}
+	var late []time.Duration
+	for _, u := range rec.Handled(machine, "EtcdRecover") {
+		if u.Accepted() && u.At.After(boots[0].At) {
+			late = append(late, u.At.Sub(boots[0].At))
+		}
+	}
+	return late
+}
