@@ -18,6 +18,12 @@ const (
 	// name). Unlike deleting, the record stays.
 	CancelAnnotation = "ichor.maesh.dev/cancel"
 
+	// RestoredFromAnnotation marks an operation ichor-controller wrote
+	// back from its journal after an etcd restore rewound the store to a
+	// snapshot that predates it: a new object (new UID) with the old one's
+	// name and spec; its value is the UID the operation had before.
+	RestoredFromAnnotation = "ichor.maesh.dev/restored-from-journal"
+
 	// SkipAnnotation on an operation asks the controller to give up on one
 	// machine whose step failed (broken hardware) and go on with the rest:
 	// its value is the machine's name. The controller acts on it once, like

@@ -13,8 +13,9 @@ import (
 )
 
 // RestoredFromAnnotation marks an operation the controller wrote back
-// from the journal, with the UID it had before the store was rewound.
-const RestoredFromAnnotation = "ichor.maesh.dev/restored-from-journal"
+// from the journal, with the UID it had before the store was rewound
+// (part of the API: the plugin's watch follows it).
+const RestoredFromAnnotation = ichorv1.RestoredFromAnnotation
 
 // WriteBack puts the journalled operation back in the API once its
 // work is done and the API answers on the restored store: the operation

@@ -229,3 +229,40 @@ func kubeconfigFromTalos(t *testing.T, fleet *sim.Fleet) string {
 	}
 	return path
 }
+
+// TestRestoreEtcdEndToEnd: on a hosted fleet with the controller running,
+// `kubectl ichor restore etcd --from file://... -y --watch` follows the
+// restore through the API's absence and the rewind (the snapshot predates
+// the operation): it says once that the API is away while etcd is
+// restored, accepts the operation the controller writes back from its
+// journal (a new UID), and exits 0 with the success line.
+func TestRestoreEtcdEndToEnd(t *testing.T) {
+	t.Setenv("TMPDIR", t.TempDir()) // the controller's hand-over, its pod's emptyDir
+	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 0), testenv.Components{})
+	const ns = "default"
+	testcluster.WriteTalosconfig(t, henv, fleet, ns)
+	tc, err := talosclient.New(context.Background(), talosclient.WithConfig(fleet.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close() //nolint:errcheck
+	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
+	testcluster.TakeSnapshot(t, tc, fleet.ControlPlanes()[0], snap)
+	testcluster.StartController(t, henv.Config, app.Options{Namespace: ns})
+
+	r := kubectl(t, henv.Kubeconfig, "ichor", "restore", "etcd", "--from", "file://"+snap, "-y", "--name", "rewind", "-n", ns,
+		"--controller-namespace", ns, "--watch", "--timeout", "5m")
+	if r.code != 0 {
+		t.Fatalf("restore etcd --watch: exit %d, want 0\nstdout %s\nstderr %s", r.code, r.out, r.err)
+	}
+	for _, want := range []string{awayNoteText, "talosoperation.ichor.maesh.dev/rewind is back: ichor-controller wrote it back from its journal"} {
+		if n := strings.Count(r.out, want); n != 1 {
+			t.Errorf("the output says %q %d times, want once:\n%s", want, n, r.out)
+		}
+	}
+	if lines := strings.Split(strings.TrimSpace(r.out), "\n"); !strings.HasPrefix(lines[len(lines)-1], "talosoperation.ichor.maesh.dev/rewind succeeded") {
+		t.Errorf("the output does not end with the success line:\n%s", r.out)
+	}
+}
+
+const awayNoteText = "the API is away while etcd is restored; the operation is written back when the restore ends"

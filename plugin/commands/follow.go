@@ -131,6 +131,10 @@ type display interface {
 	update(eventType watch.EventType, op *ichorv1.TalosOperation) error
 	// tick redraws what depends on the clock; terminals only.
 	tick() error
+	// note tells the user something about the following itself (not a
+	// change of the operation): a line of the view or the log, or of
+	// stderr where stdout is the outcome or JSON.
+	note(msg string) error
 	// close ends the display; the last state stays visible.
 	close(last *ichorv1.TalosOperation, err error) error
 }
@@ -138,9 +142,9 @@ type display interface {
 func (e *Env) newDisplay(ctx context.Context, c client.Reader, ff followFlags, out io.Writer) display {
 	switch {
 	case ff.json:
-		return &jsonDisplay{out: out}
+		return &jsonDisplay{out: out, errOut: e.Streams.ErrOut}
 	case ff.wait && !ff.watch:
-		return &quietDisplay{e: e, out: out}
+		return &quietDisplay{e: e, out: out, errOut: e.Streams.ErrOut}
 	case e.IsTerminal(out):
 		return &ttyDisplay{e: e, ff: ff, out: out, screen: view.NewScreen(out), around: &surroundings{ctx: ctx, c: c, logs: e.lastLogLine}}
 	}
@@ -211,7 +215,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 		return err
 	}
 	w := watchOperations(ctx, c, ns, name)
-	defer w.Stop()
+	defer func() { w.Stop() }() // the one watching at the end
 
 	d := e.newDisplay(ctx, c, ff, out)
 	if err := d.update(watch.Added, op); err != nil {
@@ -220,6 +224,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	ticker := time.NewTicker(200 * time.Millisecond)
 	defer ticker.Stop()
 	probe, access := &every{period: time.Second}, &every{period: 2 * time.Second}
+	rw := &rewind{first: op.UID}
 	for {
 		if done, err := outcome(op, retryBaseline, e.Name); done {
 			return finish(d, op, err)
@@ -232,18 +237,43 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			}
 			switch ev.Type {
 			case watch.Added, watch.Modified:
+				next, ok := ev.Object.(*ichorv1.TalosOperation)
 				// The informer's first list repeats what the Get showed.
-				if next, ok := ev.Object.(*ichorv1.TalosOperation); ok && next.Name == name && next.ResourceVersion != op.ResourceVersion {
-					// Already shown once: any later state is a modification,
-					// even when a relist reports it as added.
-					op = next
-					if err := d.update(watch.Modified, op); err != nil {
+				if !ok || next.Name != name || (next.UID == op.UID && next.ResourceVersion == op.ResourceVersion) {
+					break
+				}
+				// Already shown once: any later state of the same object is a
+				// modification, even when a relist reports it as added.
+				t := watch.Modified
+				switch identify(rw.first, op, next) {
+				case anotherOperation:
+					return finish(d, op, fmt.Errorf("%s was deleted and another operation of that name created (uid %s); follow that one with `%s watch %s -n %s`",
+						ref(name), next.UID, e.Name, name, ns))
+				case writtenBack:
+					t = watch.Added
+					if err := d.note(writtenBackNote(rw.first, next)); err != nil {
 						return err
 					}
 				}
+				op = next
+				if err := d.update(t, op); err != nil {
+					return err
+				}
 			case watch.Deleted:
-				err := fmt.Errorf("%s was deleted", ref(name))
-				return finish(d, op, err)
+				if !restoring(op) {
+					err := fmt.Errorf("%s was deleted", ref(name))
+					return finish(d, op, err)
+				}
+				// The rewind: the restored store predates the operation.
+				if gone, ok := ev.Object.(*ichorv1.TalosOperation); ok {
+					if err := d.update(watch.Deleted, gone); err != nil {
+						return err
+					}
+				}
+				rw.lost = true
+				if err := rw.sayAway(d); err != nil {
+					return err
+				}
 			case watch.Error:
 				err := fmt.Errorf("watch %s: %v", ref(name), runtime.Object(ev.Object))
 				return finish(d, op, err)
@@ -254,6 +284,20 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			}
 			if op.APIGoing() && probe.due() && apiGone(ctx, c, op) {
 				return finishGone(d, op, e.Streams.ErrOut)
+			}
+			// The informer retries silently while the API is away: say why,
+			// and watch anew once it answers again.
+			if restoring(op) && probe.due() {
+				say, rewatch := rw.probed(ctx, readBack(ctx, c, op))
+				if say {
+					if err := rw.sayAway(d); err != nil {
+						return err
+					}
+				}
+				if rewatch {
+					w.Stop()
+					w = watchOperations(ctx, c, ns, name)
+				}
 			}
 			if replacesYourCA(op) && access.due() {
 				if err := e.refusedDuringRotation(ctx, c, op); err != nil {
@@ -268,6 +312,100 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			return finish(d, op, err)
 		}
 	}
+}
+
+// rewind is what following an etcd restore through its rewind keeps: the
+// API goes away while every control plane is reset and comes back on the
+// snapshot's store, where the operation does not exist until
+// ichor-controller writes it back from its journal, a new object.
+type rewind struct {
+	first types.UID // the followed operation's UID before the restore
+	away  bool      // awayNote was said
+	// lost: the API has not answered, or the operation was deleted, since
+	// the watch started. The informer's watch resumes from the last
+	// resourceVersion it saw, which a store rewound to an older snapshot
+	// may not reach for a long time: it would wait without a word.
+	lost bool
+}
+
+// probed decides, from a read of the restore in progress (err), whether to
+// say that the API is away, and whether to watch anew: the API answers
+// again (the operation, or not found on the rewound store) after it was
+// lost.
+func (r *rewind) probed(ctx context.Context, err error) (say, rewatch bool) {
+	if ctx.Err() != nil {
+		return false, false
+	}
+	away := restoreAway(ctx, err)
+	answered := err == nil || apierrors.IsNotFound(err)
+	if answered && r.lost {
+		r.lost = false
+		return away && !r.away, true
+	}
+	if away && !answered {
+		r.lost = true
+	}
+	return away && !r.away, false
+}
+
+const awayNote = "the API is away while etcd is restored; the operation is written back when the restore ends"
+
+// sayAway says awayNote, once.
+func (r *rewind) sayAway(d display) error {
+	if r.away {
+		return nil
+	}
+	r.away = true
+	return d.note(awayNote)
+}
+
+// restoring: op is an etcd restore that has not finished, whose API may
+// be away and which may be gone from the rewound store, as expected.
+func restoring(op *ichorv1.TalosOperation) bool {
+	return op.Spec.Kind == ichorv1.KindEtcdRestore && !op.Finished()
+}
+
+// restoreAway: the read of a restore in progress ended in err because the
+// restore is under way: no answer, a server error (etcd down behind the
+// API server), or not found (the store rewound, not yet written back).
+func restoreAway(ctx context.Context, err error) bool {
+	var status apierrors.APIStatus
+	switch {
+	case err == nil || ctx.Err() != nil:
+		return false
+	case apierrors.IsNotFound(err), noAnswer(ctx, err):
+		return true
+	case errors.As(err, &status):
+		code := status.Status().Code
+		return code >= 500 || code == 429
+	}
+	return false
+}
+
+// sameName says what an operation of the followed name seen with new state is.
+type sameName int
+
+const (
+	sameOperation    sameName = iota
+	writtenBack               // re-made by ichor-controller from its journal after the rewind
+	anotherOperation          // deleted and created anew by someone
+)
+
+// identify tells next, seen under the followed name, from last, the state
+// shown; first is the UID the followed operation had at the start.
+func identify(first types.UID, last, next *ichorv1.TalosOperation) sameName {
+	switch {
+	case next.UID == last.UID:
+		return sameOperation
+	case first != "" && next.Annotations[ichorv1.RestoredFromAnnotation] == string(first):
+		return writtenBack
+	}
+	return anotherOperation
+}
+
+func writtenBackNote(first types.UID, op *ichorv1.TalosOperation) string {
+	return fmt.Sprintf("%s is back: ichor-controller wrote it back from its journal on the restored store (a new object, uid %s; it was %s)",
+		ref(op.Name), view.Clean(string(op.UID)), view.Clean(string(first)))
 }
 
 // every says when something done periodically is due.
@@ -287,11 +425,22 @@ func (e *every) due() bool {
 // apiGone says whether the API server no longer answers: a read of the
 // operation gets no answer at all (an answer, even an error, is the API).
 func apiGone(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) bool {
+	return noAnswer(ctx, readBack(ctx, c, op))
+}
+
+// readBack reads op again, within a few seconds: nil, the API's refusal,
+// or why no answer came.
+func readBack(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) error {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	err := c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
+	return c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
+}
+
+// noAnswer: err is no answer of the API server's (a connection refused or
+// cut, a timeout), not an interrupt of the user's.
+func noAnswer(ctx context.Context, err error) bool {
 	var status apierrors.APIStatus
-	return err != nil && !errors.As(err, &status) && !errors.Is(ctx.Err(), context.Canceled)
+	return err != nil && !errors.As(err, &status) && ctx.Err() == nil
 }
 
 // replacesYourCA: op is a rotation of the Kubernetes CA under way, which
@@ -406,8 +555,14 @@ type ttyDisplay struct {
 	screen   *view.Screen
 	around   *surroundings
 	op       *ichorv1.TalosOperation
+	notes    []string // shown under the view
 	dirty    bool
 	lastDraw time.Time
+}
+
+func (d *ttyDisplay) note(msg string) error {
+	d.notes, d.dirty = append(d.notes, msg), true
+	return d.draw()
 }
 
 func (d *ttyDisplay) update(_ watch.EventType, op *ichorv1.TalosOperation) error {
@@ -434,6 +589,9 @@ func (d *ttyDisplay) draw() error {
 	o.Width, o.Height, o.Color, o.ASCII = width, height-1, d.e.UseColor(d.out), d.ff.ascii
 	o.Grouping, o.Now, o.Command = d.ff.grouping, d.e.Now(), d.e.Name
 	frame := view.Render(d.op, o)
+	if len(d.notes) > 0 {
+		frame = append(append(frame, ""), d.notes...)
+	}
 	d.dirty, d.lastDraw = false, time.Now()
 	return d.screen.Draw(frame, width)
 }
@@ -467,6 +625,11 @@ func (d *logDisplay) update(_ watch.EventType, op *ichorv1.TalosOperation) error
 
 func (d *logDisplay) tick() error { return nil }
 
+func (d *logDisplay) note(msg string) error {
+	_, err := fmt.Fprintf(d.out, "%s %s\n", d.e.Now().UTC().Format(time.RFC3339), msg)
+	return err
+}
+
 func (d *logDisplay) close(last *ichorv1.TalosOperation, err error) error {
 	if err == nil && last.Succeeded() {
 		_, werr := fmt.Fprintln(d.out, summaryLine(last))
@@ -477,8 +640,13 @@ func (d *logDisplay) close(last *ichorv1.TalosOperation, err error) error {
 
 // quietDisplay prints only the outcome (--wait).
 type quietDisplay struct {
-	e   *Env
-	out io.Writer
+	e           *Env
+	out, errOut io.Writer
+}
+
+func (d *quietDisplay) note(msg string) error {
+	_, err := fmt.Fprintln(d.errOut, msg)
+	return err
 }
 
 func (d *quietDisplay) update(watch.EventType, *ichorv1.TalosOperation) error { return nil }
@@ -494,8 +662,14 @@ func (d *quietDisplay) close(last *ichorv1.TalosOperation, err error) error {
 // jsonDisplay streams watch events, one JSON object per line, in the shape
 // of `kubectl get -w -o json --output-watch-events`.
 type jsonDisplay struct {
-	out io.Writer
-	enc *json.Encoder
+	out, errOut io.Writer
+	enc         *json.Encoder
+}
+
+// note goes to stderr: stdout is one watch event per line.
+func (d *jsonDisplay) note(msg string) error {
+	_, err := fmt.Fprintln(d.errOut, msg)
+	return err
 }
 
 func (d *jsonDisplay) update(t watch.EventType, op *ichorv1.TalosOperation) error {
