@@ -1,0 +1,101 @@
+package commands
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+)
+
+func restoreOp(uid types.UID, phase ichorv1.Phase, restoredFrom string) *ichorv1.TalosOperation {
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Name: "r", UID: uid},
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore}}
+	if restoredFrom != "" {
+		op.Annotations = map[string]string{ichorv1.RestoredFromAnnotation: restoredFrom}
+	}
+	op.Status.Phase = phase
+	return op
+}
+
+func TestRestoring(t *testing.T) {
+	upgrade := restoreOp("u", ichorv1.PhaseRunning, "")
+	upgrade.Spec.Kind = ichorv1.KindTalos
+	for _, c := range []struct {
+		name string
+		op   *ichorv1.TalosOperation
+		want bool
+	}{
+		{"a restore running", restoreOp("u", ichorv1.PhaseRunning, ""), true},
+		{"a restore not yet picked up", restoreOp("u", "", ""), true},
+		{"a restore succeeded", restoreOp("u", ichorv1.PhaseSucceeded, ""), false},
+		{"another kind running: a deletion ends its follow", upgrade, false},
+	} {
+		if got := restoring(c.op); got != c.want {
+			t.Errorf("%s: restoring %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestIdentify(t *testing.T) {
+	last := restoreOp("old", ichorv1.PhaseRunning, "")
+	back := restoreOp("new", "", "old")
+	for _, c := range []struct {
+		name       string
+		first      types.UID
+		last, next *ichorv1.TalosOperation
+		want       sameName
+	}{
+		{"the same object", "old", last, restoreOp("old", ichorv1.PhaseRunning, ""), sameOperation},
+		{"written back from the journal", "old", last, back, writtenBack},
+		{"the written-back one again", "old", back, restoreOp("new", ichorv1.PhaseSucceeded, "old"), sameOperation},
+		{"created anew by someone", "old", last, restoreOp("new", "", ""), anotherOperation},
+		{"written back for another operation", "old", last, restoreOp("new", "", "older"), anotherOperation},
+		{"no first UID to match", "", restoreOp("", "", ""), restoreOp("new", "", ""), anotherOperation},
+	} {
+		if got := identify(c.first, c.last, c.next); got != c.want {
+			t.Errorf("%s: %v, want %v", c.name, got, c.want)
+		}
+	}
+}
+
+func TestRewindProbed(t *testing.T) {
+	gr := schema.GroupResource{Group: ichorv1.GroupVersion.Group, Resource: "talosoperations"}
+	noAnswer := errors.New("dial tcp 127.0.0.1:6443: connect: connection refused")
+	notFound := apierrors.NewNotFound(gr, "r")
+	unavailable := apierrors.NewServiceUnavailable("etcd is not ready")
+	forbidden := apierrors.NewForbidden(gr, "r", errors.New("no"))
+	for _, c := range []struct {
+		name         string
+		lost, said   bool
+		err          error
+		say, rewatch bool
+		lostAfter    bool
+	}{
+		{"the API answers", false, false, nil, false, false, false},
+		{"no answer: say it", false, false, noAnswer, true, false, true},
+		{"no answer, said already", true, true, noAnswer, false, false, true},
+		{"etcd down behind the API server", false, false, unavailable, true, false, true},
+		{"back after no answer: watch anew", true, true, nil, false, true, false},
+		{"back on the rewound store, not written back yet", true, true, notFound, false, true, false},
+		{"rewound without the API seen away: say it", false, false, notFound, true, false, false},
+		{"deleted, then found again: watch anew", true, true, nil, false, true, false},
+		{"a refusal is the API answering, not the restore", false, false, forbidden, false, false, false},
+	} {
+		r := &rewind{lost: c.lost, away: c.said}
+		say, rewatch := r.probed(context.Background(), c.err)
+		if say != c.say || rewatch != c.rewatch || r.lost != c.lostAfter {
+			t.Errorf("%s: say %v rewatch %v lost %v, want %v %v %v", c.name, say, rewatch, r.lost, c.say, c.rewatch, c.lostAfter)
+		}
+	}
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	if say, rewatch := (&rewind{lost: true}).probed(cancelled, noAnswer); say || rewatch {
+		t.Errorf("after an interrupt: say %v rewatch %v, want neither", say, rewatch)
+	}
+}
