@@ -42,7 +42,9 @@ timestamped log of changes; -o json streams one watch event per line.
 The watch ends by itself when the operation succeeds (exit 0), a step fails,
 preflight refuses it or it was cancelled (exit 2, once the steps in flight have
 settled); --timeout ends it with exit 3 and Ctrl-C with
-130. Without NAME or --latest it shows every operation in the namespace until
+130. An etcd restore is followed through the API's absence and the rewind:
+the operation the controller writes back from its journal (a new UID) is the
+same one. Without NAME or --latest it shows every operation in the namespace until
 interrupted or --timeout.
 
 Icons:
