@@ -596,14 +596,19 @@ func terminatedState(c *ctr, code int, reason, msg string) corev1.ContainerState
 func (r *podRun) writeStatus() {
 	ctx, cancel := r.kl.k.ctx()
 	defer cancel()
-	data, err := json.Marshal(map[string]any{"status": r.status()})
+	// The UID is a precondition, as the kubelet's status patch has it: a
+	// pod deleted and made again under its name (a StatefulSet's) is
+	// another pod, which this run must not write (its IP would merge into
+	// the new pod's podIPs, two of one family, and every later write of
+	// the new pod's kubelet would be refused).
+	data, err := json.Marshal(map[string]any{"metadata": map[string]any{"uid": r.uid}, "status": r.status()})
 	if err != nil {
 		r.kl.k.f.logf("pod %s/%s: status: %v", r.pod.Namespace, r.pod.Name, err)
 		return
 	}
 	_, err = r.kl.k.cs.CoreV1().Pods(r.pod.Namespace).Patch(ctx, r.pod.Name, types.StrategicMergePatchType, data, metav1.PatchOptions{}, "status")
 	switch {
-	case apierrors.IsNotFound(err):
+	case apierrors.IsNotFound(err), apierrors.IsConflict(err):
 		r.stop(true)
 	case err != nil && r.kl.k.f.ctx.Err() == nil && !errors.Is(err, context.Canceled):
 		r.kl.k.f.logf("pod %s/%s: write status: %v", r.pod.Namespace, r.pod.Name, err)
