@@ -407,8 +407,8 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 	if err != nil {
 		return Outcome{}, Fail("SnapshotNotFound", "the snapshot is needed again for the upload: %w", err)
 	}
-	made := e.Machine.Calls > 1 // an earlier run may have bootstrapped
-	if made {
+	earlier := e.Machine.Calls > 1 // an earlier run may have bootstrapped
+	if earlier {
 		if _, err := talos.EtcdMembers(ctx, e.Talos, e.Address); err == nil {
 			// etcd answers on the recovering machine, which the reset
 			// left without it: an earlier run's Bootstrap made it.
@@ -419,7 +419,7 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 	// taken effect: from then on only the Bootstrap is sent again (its
 	// AlreadyExists is the answer that did not come), never the upload,
 	// which would leave a snapshot beside the restored store. A run after
-	// a crash (made from the start) uploads again: it cannot know that the
+	// a crash (earlier) uploads again: it cannot know that the
 	// earlier run's upload is there, and a Bootstrap without it restores
 	// nothing.
 	bootstrapped := false
@@ -437,7 +437,7 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 		switch {
 		case err == nil:
 			return Outcome{Message: "etcd bootstrapped from the snapshot, " + e.Machine.To}, nil
-		case code == codes.AlreadyExists && made:
+		case code == codes.AlreadyExists && (earlier || bootstrapped):
 			return Outcome{Message: "etcd was bootstrapped from the snapshot by an earlier Bootstrap whose answer did not come"}, nil
 		case code == codes.AlreadyExists:
 			return Outcome{}, Fail("EtcdNotEmpty", "etcd's data on %s is not empty: it was not wiped by the reset (%v)", e.Machine.Name, err)
@@ -446,7 +446,6 @@ func runRecover(ctx context.Context, e *Env) (Outcome, error) {
 		}
 		// Refused before anything changed, or not answered: only the
 		// refusal says that no Bootstrap was made.
-		made = made || sent && code != codes.FailedPrecondition
 		bootstrapped = bootstrapped || sent && code != codes.FailedPrecondition
 		e.report("waiting for Talos to be ready for the recovery: " + err.Error())
 		if err := pause(ctx, time.Second); err != nil {
