@@ -42,6 +42,7 @@ type Fleet struct {
 	controlPlanes []*Machine
 	byName        map[string]*Machine
 	byAddr        map[string]*Machine
+	block         string // "127.F": the fleet's own loopback addresses
 }
 
 // Fleets in one process get distinct address blocks (127.F.x.y) from a
@@ -67,6 +68,7 @@ func Start(ctx context.Context, spec Spec, kube kubernetes.Interface) (*Fleet, e
 		rec:    newRecorder(),
 		byName: map[string]*Machine{},
 		byAddr: map[string]*Machine{},
+		block:  fmt.Sprintf("127.%d", octet),
 	}
 	f.ctx, f.cancel = context.WithCancel(context.Background())
 	f.etcd = newEtcd(f)
@@ -75,7 +77,7 @@ func Start(ctx context.Context, spec Spec, kube kubernetes.Interface) (*Fleet, e
 		return nil, fmt.Errorf("fleet secrets: %w", err)
 	}
 	for i, ms := range spec.Machines {
-		addr := fmt.Sprintf("127.%d.%d.%d", octet, i/250, i%250+1)
+		addr := fmt.Sprintf("%s.%d.%d", f.block, i/250, i%250+1)
 		m := newMachine(f, ms, addr)
 		f.machines = append(f.machines, m)
 		f.byName[ms.Name] = m

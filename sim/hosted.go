@@ -290,7 +290,7 @@ func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began
 	if h.etcd.wait(ctx) != nil {
 		return
 	}
-	args, err := in.render(dir, a.address, h.etcd.client)
+	args, err := in.render(dir, a.address, h.etcd.clientURL())
 	if err != nil {
 		m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
 		return

@@ -263,6 +263,54 @@ func TestHostedEncryptionAtRest(t *testing.T) {
 	}
 }
 
+// shutdownForce shuts cp down (no drain) and waits until it is off. The
+// answer must arrive, though the machine goes down moments after making it.
+func shutdownForce(t *testing.T, c *client.Client, cp *sim.Machine) {
+	t.Helper()
+	if _, err := c.ShutdownWithResponse(on(cp), client.WithShutdownForce(true)); err != nil {
+		t.Fatalf("shutdown %s: %v", cp.Name(), err)
+	}
+	testenv.Eventually(t, 30*time.Second, cp.Name()+" off", func(context.Context) (bool, error) { return cp.Off(), nil })
+}
+
+// TestHostedEtcdMovesOffATakenPort: when another process has bound etcd's
+// client port while etcd was stopped (tests in parallel on one machine),
+// etcd starts on new ports once its quorum is back, and the API server that
+// kept running with the old address is restarted onto the new one: both
+// API servers answer again with every object intact.
+func TestHostedEtcdMovesOffATakenPort(t *testing.T) {
+	f, kc := hostedFleet(t, 3)
+	testenv.CreateConfigMaps(t, kc, "cm0")
+	c := talos(t, f)
+	cps := f.ControlPlanes()
+	shutdownForce(t, c, cps[0])
+	shutdownForce(t, c, cps[1])
+	testenv.Eventually(t, 30*time.Second, "etcd stopped", func(context.Context) (bool, error) { return !f.HostedEtcd().Serving, nil })
+	old := f.HostedEtcd().ClientURL
+	taken, err := net.Listen("tcp", strings.TrimPrefix(old, "http://"))
+	if err != nil {
+		t.Fatalf("take etcd's port: %v", err)
+	}
+	defer taken.Close()
+
+	if err := cps[0].PowerOn(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, time.Minute, "etcd serving again", func(context.Context) (bool, error) { return f.HostedEtcd().Serving, nil })
+	if now := f.HostedEtcd().ClientURL; now == old {
+		t.Fatalf("etcd serves on %s, the port taken", now)
+	}
+	for _, cp := range []*sim.Machine{cps[0], cps[2]} {
+		cfg := f.APIConfig()
+		cfg.Host = "https://" + cp.APIServer().Address
+		one := kubernetes.NewForConfigOrDie(cfg)
+		testenv.Eventually(t, 2*time.Minute, cp.Name()+"'s API server answering", func(context.Context) (bool, error) {
+			got, err := testenv.ConfigMaps(one)
+			return err == nil && got == "cm0", nil
+		})
+	}
+}
+
 // TestHostedAPIGoesWithTheControlPlanes: with one control plane of three
 // off, the other two keep etcd's quorum and the API answers; with two off
 // the last one's etcd has no quorum and the API does not answer; with all
@@ -275,13 +323,7 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 
 	c := talos(t, f)
 	cps := f.ControlPlanes()
-	shutdown := func(cp *sim.Machine) {
-		t.Helper()
-		if _, err := c.ShutdownWithResponse(on(cp), client.WithShutdownForce(true)); err != nil {
-			t.Fatalf("shutdown %s: %v", cp.Name(), err)
-		}
-		testenv.Eventually(t, 30*time.Second, cp.Name()+" off", func(context.Context) (bool, error) { return cp.Off(), nil })
-	}
+	shutdown := func(cp *sim.Machine) { t.Helper(); shutdownForce(t, c, cp) }
 	shutdown(cps[0])
 	if got, err := testenv.ConfigMaps(kc); err != nil || got != want {
 		t.Fatalf("with %s down the endpoint answers %q, %v; want %q", cps[0].Name(), got, err, want)

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/siderolabs/crypto/x509"
-	"github.com/siderolabs/talos/pkg/machinery/client"
 	"github.com/siderolabs/talos/pkg/machinery/config/generate/secrets"
 	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
 	"github.com/siderolabs/talos/pkg/machinery/resources/k8s"
@@ -204,10 +203,7 @@ func TestHostedComponentsLeaderElection(t *testing.T) {
 	oneLeader(t, f, k8s.SchedulerID)
 
 	c := talos(t, f)
-	if _, err := c.ShutdownWithResponse(on(kcm), client.WithShutdownForce(true)); err != nil {
-		t.Fatalf("shutdown %s: %v", kcm.Name(), err)
-	}
-	testenv.Eventually(t, 30*time.Second, kcm.Name()+" off", func(context.Context) (bool, error) { return kcm.Off(), nil })
+	shutdownForce(t, c, kcm)
 	if st := kcm.Component(k8s.ControllerManagerID); st.Ready {
 		t.Fatalf("the controller manager of %s runs while its machine is off", kcm.Name())
 	}

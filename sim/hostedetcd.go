@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -38,10 +39,11 @@ type hostedEtcd struct {
 	assets     string
 	dir        string // holds each generation's data directory, the log
 	name       string // the member's name
-	client     string // client URL, http on loopback
-	peer       string // peer URL
+	host       string // its loopback address, of the fleet's block
 	mu         sync.Mutex
-	gen        int // of the data: each Bootstrap makes a new cluster
+	client     string // client URL, http on host
+	peer       string // peer URL
+	gen        int    // of the data: each Bootstrap makes a new cluster
 	proc       *controlplane.Process
 	cancel     context.CancelFunc // of the start in flight
 	serving    chan struct{}      // closed while proc serves
@@ -51,31 +53,34 @@ type hostedEtcd struct {
 }
 
 func newHostedEtcd(f *Fleet, assets, dir string) (*hostedEtcd, error) {
-	ports, err := freePorts(2)
-	if err != nil {
-		return nil, fmt.Errorf("find ports for etcd: %w", err)
-	}
 	e := &hostedEtcd{
 		f: f, assets: assets, dir: filepath.Join(dir, "etcd"), name: f.spec.Name,
-		client:  "http://127.0.0.1:" + strconv.Itoa(ports[0]),
-		peer:    "http://127.0.0.1:" + strconv.Itoa(ports[1]),
+		host:    f.block + ".0.254", // beside the machines' x.y.1-250, never one of them
 		serving: make(chan struct{}),
+	}
+	if err := e.pickPorts(); err != nil {
+		return nil, err
 	}
 	return e, os.MkdirAll(e.dir, 0o700)
 }
 
-// freePorts are n distinct free loopback ports.
-func freePorts(n int) ([]int, error) {
+// pickPorts gives etcd two free ports on its own address. Another process
+// can still bind one before etcd does (the ports are only probed), but on
+// an address of the fleet's block only a wildcard listener can: the
+// connections every test makes to 127.0.0.1 leave from 127.0.0.1's ports.
+func (e *hostedEtcd) pickPorts() error {
 	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for range 2 {
+		l, err := net.Listen("tcp", net.JoinHostPort(e.host, "0"))
 		if err != nil {
-			return nil, err
+			return fmt.Errorf("find a port for etcd on %s: %w", e.host, err)
 		}
 		defer l.Close()
 		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
-	return ports, nil
+	e.client = "http://" + net.JoinHostPort(e.host, strconv.Itoa(ports[0]))
+	e.peer = "http://" + net.JoinHostPort(e.host, strconv.Itoa(ports[1]))
+	return nil
 }
 
 func (e *hostedEtcd) dataDir() string { return filepath.Join(e.dir, "data-"+strconv.Itoa(e.gen)) }
@@ -89,8 +94,8 @@ func (e *hostedEtcd) follow(quorum, anyData bool) {
 	case quorum && e.cancel == nil && e.f.ctx.Err() == nil:
 		ctx, cancel := context.WithCancel(e.f.ctx)
 		e.cancel = cancel
-		args, dir := e.args(), e.dataDir()
-		e.f.wg.Go(func() { e.start(ctx, args, dir) })
+		dir := e.dataDir()
+		e.f.wg.Go(func() { e.start(ctx, dir) })
 	case !quorum:
 		e.stopLocked("its cluster lost quorum")
 	}
@@ -102,14 +107,14 @@ func (e *hostedEtcd) follow(quorum, anyData bool) {
 // args are the flags Talos gives etcd that matter here: a new cluster of
 // this one member when its data directory is empty, else what the data
 // directory holds.
-func (e *hostedEtcd) args() []string {
+func (e *hostedEtcd) args(dir string) []string {
 	args := []string{
-		"--name=" + e.name, "--data-dir=" + e.dataDir(),
+		"--name=" + e.name, "--data-dir=" + dir,
 		"--listen-client-urls=" + e.client, "--advertise-client-urls=" + e.client,
 		"--listen-peer-urls=" + e.peer, "--initial-advertise-peer-urls=" + e.peer,
 		"--watch-progress-notify-interval=5s", "--log-level=warn",
 	}
-	if empty, _ := isDirEmpty(e.dataDir()); empty {
+	if empty, _ := isDirEmpty(dir); empty {
 		args = append(args, "--initial-cluster="+e.name+"="+e.peer, "--initial-cluster-state=new")
 	}
 	return args
@@ -123,17 +128,64 @@ func isDirEmpty(dir string) (bool, error) {
 	return len(entries) == 0, err
 }
 
-func (e *hostedEtcd) start(ctx context.Context, args []string, dir string) {
+// errPortTaken is a start that failed because another process bound one of
+// etcd's ports first.
+var errPortTaken = errors.New("a port of etcd's is taken")
+
+// start starts etcd on dir. When another process took one of its ports it
+// moves to new ones and tries again, then restarts the API servers that
+// were given the old client URL: the collision is the machine's (tests in
+// parallel), not the cluster's.
+func (e *hostedEtcd) start(ctx context.Context, dir string) {
 	began := time.Now()
-	log, err := os.OpenFile(filepath.Join(e.dir, "etcd.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
-	if err == nil {
-		defer log.Close()
-		err = os.MkdirAll(dir, 0o700)
-	}
 	var p *controlplane.Process
-	if err == nil {
-		p, err = controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: e.client, Log: log})
+	var err error
+	moved := false
+	for try := 1; ; try++ {
+		if p, err = e.startOnce(ctx, dir); !errors.Is(err, errPortTaken) || ctx.Err() != nil || try == 3 {
+			break
+		}
+		e.mu.Lock()
+		was := e.client
+		if err = e.pickPorts(); err == nil {
+			e.f.logf("etcd: %v; moving from %s to %s", errPortTaken, was, e.client)
+			moved = true
+		}
+		e.mu.Unlock()
+		if err != nil {
+			break
+		}
 	}
+	if !e.serve(ctx, p, err, dir, began) || !moved {
+		return
+	}
+	e.f.restartAPIServers()
+}
+
+// startOnce starts the process once and waits until it is ready.
+func (e *hostedEtcd) startOnce(ctx context.Context, dir string) (*controlplane.Process, error) {
+	logPath := filepath.Join(e.dir, "etcd.log")
+	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer log.Close()
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	from, _ := log.Seek(0, io.SeekEnd)
+	e.mu.Lock()
+	args, client := e.args(dir), e.client
+	e.mu.Unlock()
+	p, err := controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: client, Log: log})
+	if err != nil && bytes.Contains(logSince(logPath, from), []byte("address already in use")) {
+		return nil, fmt.Errorf("%w: %w", errPortTaken, err)
+	}
+	return p, err
+}
+
+// serve records the outcome of a start; it reports whether etcd serves.
+func (e *hostedEtcd) serve(ctx context.Context, p *controlplane.Process, err error, dir string, began time.Time) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err != nil {
@@ -142,17 +194,24 @@ func (e *hostedEtcd) start(ctx context.Context, args []string, dir string) {
 			e.f.logf("%v", e.lastFailed)
 			e.cancel = nil // the next change of the model tries again
 		}
-		return
+		return false
 	}
 	if ctx.Err() != nil {
 		p.Stop()
-		return
+		return false
 	}
 	e.proc, e.lastFailed = p, nil
 	e.starts++
 	e.lastStart = time.Since(began)
 	close(e.serving)
 	e.f.logf("etcd serves on %s in %s (data %s)", e.client, e.lastStart.Round(time.Millisecond), dir)
+	return true
+}
+
+// logSince is what a log holds from offset on.
+func logSince(path string, offset int64) []byte {
+	b, _ := os.ReadFile(path)
+	return b[min(offset, int64(len(b))):]
 }
 
 func (e *hostedEtcd) stopLocked(why string) {
@@ -174,6 +233,13 @@ func (e *hostedEtcd) stop() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.stopLocked("the fleet stops")
+}
+
+// clientURL is where etcd serves clients (it moves when a port was taken).
+func (e *hostedEtcd) clientURL() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.client
 }
 
 // wait waits until etcd serves, as a kube-apiserver static pod that
@@ -241,7 +307,7 @@ func (f *Fleet) apiStores() bool { return f.hosting == nil || f.HostedEtcd().Ser
 // snapshot streams a snapshot of etcd to srv in chunks, as Talos's
 // EtcdSnapshot does through etcd's maintenance Snapshot.
 func (e *hostedEtcd) snapshot(ctx context.Context, srv grpc.ServerStreamingServer[common.Data]) error {
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.client}, DialTimeout: 5 * time.Second, Context: ctx, Logger: zap.NewNop()})
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.clientURL()}, DialTimeout: 5 * time.Second, Context: ctx, Logger: zap.NewNop()})
 	if err != nil {
 		return fmt.Errorf("failed to create etcd client: %w", err)
 	}
