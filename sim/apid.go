@@ -37,9 +37,10 @@ type endpoint struct {
 	tls  *tls.Config
 	port int
 
-	mu  sync.Mutex
-	gs  *grpc.Server
-	lis net.Listener
+	mu       sync.Mutex
+	gs       *grpc.Server
+	lis      net.Listener
+	endCalls context.CancelFunc // ends the calls running through gs
 }
 
 func newEndpoint(f *Fleet, m *Machine) (*endpoint, error) {
@@ -86,11 +87,13 @@ func (e *endpoint) open() error {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
+	closed, endCalls := context.WithCancel(context.Background())
 	gs := grpc.NewServer(
 		grpc.Creds(credentials.NewTLS(e.tls)),
-		grpc.ChainUnaryInterceptor(e.f.unaryRouter(e.m)),
-		grpc.ChainStreamInterceptor(e.f.streamRouter(e.m)),
+		grpc.ChainUnaryInterceptor(endUnary(closed), e.f.unaryRouter(e.m)),
+		grpc.ChainStreamInterceptor(endStream(closed), e.f.streamRouter(e.m)),
 	)
+	e.endCalls = endCalls
 	machine.RegisterMachineServiceServer(gs, &machined{f: e.f})
 	machine.RegisterLifecycleServiceServer(gs, &lifecycleService{})
 	machine.RegisterImageServiceServer(gs, &imageService{})
@@ -104,18 +107,76 @@ func (e *endpoint) open() error {
 	return nil
 }
 
-// close stops answering: the listener and every connection close, calls in
-// flight fail on the client with Unavailable.
+// close stops answering, as apid does when its machine goes down: the
+// listener closes, the calls still running through it end (Unavailable on
+// the client), and the answers already made reach their callers before the
+// connections close. A Shutdown's answer is made a few milliseconds before
+// its machine goes down (Durations.Stop); cutting the connections at once
+// lost it whenever the answer had not been written by then.
 func (e *endpoint) close() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.gs != nil {
-		e.gs.Stop()
+		e.endCalls()
+		stopGracefully(e.gs, closeGrace)
 		e.gs = nil
 	}
 	if e.lis != nil {
 		_ = e.lis.Close()
 		e.lis = nil
+	}
+}
+
+// closeGrace bounds how long close waits for the answers in flight; a
+// call that does not end by then is cut.
+const closeGrace = time.Second
+
+func stopGracefully(gs *grpc.Server, grace time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		gs.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(grace):
+		gs.Stop()
+		<-done
+	}
+}
+
+// errEndpointClosed is how a call cut by its endpoint's close ends: what
+// the client sees when the connection goes from under it.
+var errEndpointClosed = status.Error(codes.Unavailable, "error reading from server: EOF")
+
+// endUnary ends a unary call when closed is done. An answer already made
+// stands: only a call that fails after the close is taken as cut.
+func endUnary(closed context.Context) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		defer context.AfterFunc(closed, cancel)()
+		resp, err := handler(ctx, req)
+		if err != nil && closed.Err() != nil {
+			return nil, errEndpointClosed
+		}
+		return resp, err
+	}
+}
+
+// endStream ends a stream when closed is done.
+func endStream(closed context.Context) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+		ctx, cancel := context.WithCancel(ss.Context())
+		defer cancel()
+		defer context.AfterFunc(closed, cancel)()
+		if err := handler(srv, &ctxStream{ServerStream: ss, ctx: ctx}); err != nil {
+			if closed.Err() != nil {
+				return errEndpointClosed
+			}
+			return err
+		}
+		return nil
 	}
 }
 

@@ -663,3 +663,22 @@ func TestUnpublishedInstaller(t *testing.T) {
 		t.Fatalf("install after ImagePull: exit code %d, %v", code, err)
 	}
 }
+
+// TestAnswerBeforeGoingDown: a machine answers a Reboot, then goes down
+// (Talos runs the sequence after the call returns); its answer reaches the
+// caller even when the machine goes down at once, through its own endpoint,
+// which closes with it.
+func TestAnswerBeforeGoingDown(t *testing.T) {
+	spec := fleetSpec(t, 1, 0)
+	spec.Durations.Stop = time.Nanosecond
+	f := start(t, spec)
+	cp := f.ControlPlanes()[0]
+	c := talos(t, f)
+	for i := range 10 {
+		before := cp.BootID()
+		if _, err := c.RebootWithResponse(on(cp)); err != nil {
+			t.Fatalf("reboot %d: %v", i+1, err)
+		}
+		waitRebooted(t, cp, before)
+	}
+}
