@@ -142,19 +142,14 @@ func (e *hostedEtcd) start(ctx context.Context, dir string) {
 	var err error
 	moved := false
 	for try := 1; ; try++ {
-		if p, err = e.startOnce(ctx, dir); !errors.Is(err, errPortTaken) || ctx.Err() != nil || try == 3 {
+		p, err = e.startOnce(ctx, dir)
+		if !errors.Is(err, errPortTaken) || ctx.Err() != nil || try == 3 {
 			break
 		}
-		e.mu.Lock()
-		was := e.client
-		if err = e.pickPorts(); err == nil {
-			e.f.logf("etcd: %v; moving from %s to %s", errPortTaken, was, e.client)
-			moved = true
-		}
-		e.mu.Unlock()
-		if err != nil {
+		if err = e.movePorts(); err != nil {
 			break
 		}
+		moved = true
 	}
 	if !e.serve(ctx, p, err, dir, began) || !moved {
 		return
@@ -162,10 +157,23 @@ func (e *hostedEtcd) start(ctx context.Context, dir string) {
 	e.f.restartAPIServers()
 }
 
+// movePorts gives etcd new ports after a start found one taken.
+func (e *hostedEtcd) movePorts() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	was := e.client
+	if err := e.pickPorts(); err != nil {
+		return err
+	}
+	e.f.logf("etcd: %v; moving from %s to %s", errPortTaken, was, e.client)
+	return nil
+}
+
+func (e *hostedEtcd) logPath() string { return filepath.Join(e.dir, "etcd.log") }
+
 // startOnce starts the process once and waits until it is ready.
 func (e *hostedEtcd) startOnce(ctx context.Context, dir string) (*controlplane.Process, error) {
-	logPath := filepath.Join(e.dir, "etcd.log")
-	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
+	log, err := os.OpenFile(e.logPath(), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
 	if err != nil {
 		return nil, err
 	}
@@ -178,7 +186,7 @@ func (e *hostedEtcd) startOnce(ctx context.Context, dir string) (*controlplane.P
 	args, client := e.args(dir), e.client
 	e.mu.Unlock()
 	p, err := controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: client, Log: log})
-	if err != nil && bytes.Contains(logSince(logPath, from), []byte("address already in use")) {
+	if err != nil && bytes.Contains(logSince(e.logPath(), from), []byte("address already in use")) {
 		return nil, fmt.Errorf("%w: %w", errPortTaken, err)
 	}
 	return p, err
@@ -190,7 +198,7 @@ func (e *hostedEtcd) serve(ctx context.Context, p *controlplane.Process, err err
 	defer e.mu.Unlock()
 	if err != nil {
 		if ctx.Err() == nil {
-			e.lastFailed = fmt.Errorf("etcd: %w; the end of its log:\n%s", err, logTail(filepath.Join(e.dir, "etcd.log")))
+			e.lastFailed = fmt.Errorf("etcd: %w; the end of its log:\n%s", err, logTail(e.logPath()))
 			e.f.logf("%v", e.lastFailed)
 			e.cancel = nil // the next change of the model tries again
 		}
