@@ -364,7 +364,8 @@ func TestChangingIntoADangerousKind(t *testing.T) {
 }
 
 // ichor-controller holds neither start nor override, and is never blocked
-// writing status or updating operations of dangerous kinds with override set.
+// writing status or updating operations of dangerous kinds with override
+// set, nor writing an etcd restore back; it creates nothing else.
 func TestControllerIsNeverBlocked(t *testing.T) {
 	ns := setup(t)
 	ctx := context.Background()
@@ -385,8 +386,34 @@ func TestControllerIsNeverBlocked(t *testing.T) {
 	expect(t, "controller adds its finalizer", c.Update(ctx, got), allowed, "")
 	got.Finalizers = nil
 	expect(t, "controller removes its finalizer", c.Update(ctx, got), allowed, "")
-	// Without the grant it would be forbidden: the role binding is what lets it.
-	expect(t, "controller creates an operation", c.Create(ctx, operation(ns, "x", kind{k: ichorv1.KindTalos})), forbidden, "")
+	// It creates nothing but the write-back of an etcd restore: its
+	// role grants create, ichor-write-back holds it to that.
+	expect(t, "controller creates an operation", c.Create(ctx, operation(ns, "x", kind{k: ichorv1.KindTalos})), deniedPolicy, writeBackDenial)
+	unpaused := writeBack(ns, "restore-unpaused")
+	unpaused.Spec.Paused = false
+	expect(t, "controller creates an unpaused etcd restore", c.Create(ctx, unpaused), deniedPolicy, writeBackDenial)
+	unmarked := writeBack(ns, "restore-unmarked")
+	unmarked.Annotations = nil
+	expect(t, "controller creates an etcd restore without the annotation", c.Create(ctx, unmarked), deniedPolicy, writeBackDenial)
+	// The write-back itself needs neither start nor override of its own:
+	// it repeats what an ichor-admin asked for.
+	expect(t, "controller writes an etcd restore back", c.Create(ctx, writeBack(ns, "restore")), allowed, "")
+	// Anyone else's write-back is a create like any other.
+	forged := writeBack(ns, "restore-2")
+	forged.Spec.Override = false
+	expect(t, "operator creates a write-back", as(t, operator).Create(ctx, forged), deniedPolicy, startDenial(kind{k: ichorv1.KindEtcdRestore}))
+}
+
+const writeBackDenial = `ValidatingAdmissionPolicy 'ichor-write-back' with binding 'ichor-write-back' denied request: ` +
+	`ichor-controller creates only the write-back of an etcd restore (kind etcd-restore, paused, annotation ichor.maesh.dev/restored-from-journal)`
+
+// writeBack is an etcd restore as ichor-controller writes it back after the
+// rewind: paused, annotated, with the override its admin set.
+func writeBack(ns, name string) *ichorv1.TalosOperation {
+	op := operation(ns, name, kind{k: ichorv1.KindEtcdRestore})
+	op.Annotations = map[string]string{ichorv1.RestoredFromAnnotation: "0b5e7a9e-0000-4000-8000-000000000001"}
+	op.Spec.Paused, op.Spec.Override = true, true
+	return op
 }
 
 // The denial reaches a kubectl user as it is.
