@@ -135,7 +135,10 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 // failed, still fit in one object under 1 MiB: each machine's message is
 // cut to maxMessage bytes, and together they take at most messagesBudget,
 // failed machines first. A message past the budget is dropped: the
-// machine's StepFailed Event has it in full.
+// machine's StepFailed Event has it in full. The message of the step that
+// ended the operation by taking the API away is kept whole: it is the
+// operation's last word, what to do to bring the cluster back, and no
+// Event can be read while the API is gone.
 const (
 	maxMessage     = 256
 	messagesBudget = 32 << 10
@@ -147,7 +150,7 @@ func boundMessages(ms []ichorv1.MachineStatus) {
 	for _, failed := range []bool{true, false} {
 		for i := range ms {
 			m := &ms[i]
-			if (m.Phase == ichorv1.MachineFailed) != failed || m.Message == "" {
+			if (m.Phase == ichorv1.MachineFailed) != failed || m.Message == "" || m.Ends() {
 				continue
 			}
 			m.Message = cut(m.Message, maxMessage)

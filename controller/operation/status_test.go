@@ -14,6 +14,7 @@ import (
 	kstatus "sigs.k8s.io/cli-utils/pkg/kstatus/status"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/preflight"
 	"maesh.dev/ichor/manifests/argocd"
 )
@@ -296,6 +297,27 @@ func TestFailuresOf5000MachinesFit(t *testing.T) {
 	}
 	if first := st.Machines[0].Message; first == "" || !strings.HasPrefix(long, strings.TrimSuffix(first, "…")) || len(first) > maxMessage {
 		t.Errorf("the first failure's message is %q", first)
+	}
+}
+
+// TestEndingMessageIsWhole: the message of the step that took the API
+// away (a shutdown's, longer than any other) is the operation's, whole.
+func TestEndingMessageIsWhole(t *testing.T) {
+	start := metav1.NewTime(time.Date(2026, 11, 30, 1, 2, 3, 0, time.UTC))
+	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown}}
+	st := &op.Status
+	st.StartTime = &start
+	st.Machines = []ichorv1.MachineStatus{
+		{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, Step: executor.StepShutdownControlPlanes, Calls: 1,
+			FinishedAt: &start, Message: executor.ShutdownEnds},
+		{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, FinishedAt: &start, Message: "in the call made from cp-1"},
+	}
+	if len(executor.ShutdownEnds) <= maxMessage {
+		t.Fatalf("the shutdown's message is %d bytes, no longer than other messages may be (%d): the test shows nothing", len(executor.ShutdownEnds), maxMessage)
+	}
+	deriveStatus(op, start, "")
+	if st.Message != executor.ShutdownEnds || st.Machines[0].Message != executor.ShutdownEnds {
+		t.Errorf("the operation's message is %q, its ending machine's %q; want the shutdown's whole", st.Message, st.Machines[0].Message)
 	}
 }
 
