@@ -110,8 +110,10 @@ func (ClusterShutdown) Steps(op *ichorv1.TalosOperation, _ *ichorv1.MachineStatu
 	steps := []Step{recordBootStep()}
 	if force(op) {
 		// No drain, but the controller's own pod still moves away before its
-		// machine stops: the shutdown of the control planes needs it.
-		steps = append(steps, evictSelfStep())
+		// machine stops: the shutdown of the control planes needs it. The
+		// cordon first, or the scheduler may put its replacement back on
+		// the machine about to stop.
+		steps = append(steps, cordonStep(), evictSelfStep())
 	} else {
 		steps = append(steps, cordonStep(), drainStep(op))
 	}

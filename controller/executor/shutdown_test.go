@@ -12,8 +12,8 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
 
-// TestShutdownSteps: the workers are drained unless force (then only the
-// controller's own pod moves), the control planes' stage ends the
+// TestShutdownSteps: the workers are drained unless force (then they are
+// cordoned and only the controller's own pod moves), the control planes' stage ends the
 // operation with one irreversible call.
 func TestShutdownSteps(t *testing.T) {
 	op := func(force bool, stage string) *ichorv1.TalosOperation {
@@ -26,7 +26,7 @@ func TestShutdownSteps(t *testing.T) {
 		want []string
 	}{
 		{"worker", op(false, StageWorkers), []string{StepRecordBoot, StepCordon, StepDrain, StepShutdown, StepWaitDown}},
-		{"worker, force", op(true, StageWorkers), []string{StepRecordBoot, StepEvictSelf, StepShutdown, StepWaitDown}},
+		{"worker, force", op(true, StageWorkers), []string{StepRecordBoot, StepCordon, StepEvictSelf, StepShutdown, StepWaitDown}},
 		{"control planes", op(false, StageControlPlanes), []string{StepCheckControlPlanes, StepShutdownControlPlanes}},
 	}
 	for _, tt := range tests {
