@@ -38,7 +38,7 @@ ACTIONS ?= 6
 SPAN ?= 12s
 RERUN ?= true
 
-.PHONY: all build generate test bench chaos lint envtest-assets clean sandbox demo image dist release
+.PHONY: all build generate test bench chaos lint envtest-assets clean sandbox demo demo-recovery image dist release
 
 all: build
 
@@ -88,6 +88,11 @@ demo: build ## The sandbox and a scripted walk-through with kubectl ichor; exits
 	@assets=$$(hack/envtest-assets.sh); \
 	go build -ldflags "$(LDFLAGS)" -o $(BIN)/ichor-sandbox ./hack/sandbox; \
 	KUBEBUILDER_ASSETS=$$assets exec $(BIN)/ichor-sandbox --demo --plugin-dir $(BIN) $(SANDBOX_FLAGS)
+
+demo-recovery: build ## The sandbox and a second walk-through: an etcd restore and a whole-cluster shutdown, followed through the API's absence.
+	@assets=$$(hack/envtest-assets.sh); \
+	go build -ldflags "$(LDFLAGS)" -o $(BIN)/ichor-sandbox ./hack/sandbox; \
+	KUBEBUILDER_ASSETS=$$assets exec $(BIN)/ichor-sandbox --demo=recovery --plugin-dir $(BIN) $(SANDBOX_FLAGS)
 
 image: ## Build the controller image $(IMAGE):$(VERSION) with docker or podman (not in the tests: no engine runs here).
 	@command -v $(CONTAINER_ENGINE) >/dev/null || { echo "make image needs a container engine: install docker, or run with CONTAINER_ENGINE=podman"; exit 1; }

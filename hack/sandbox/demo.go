@@ -22,6 +22,8 @@ import (
 
 // demoConfig is what --demo adds to the sandbox's flags.
 type demoConfig struct {
+	// Script is the walk-through --demo runs: scriptTour or scriptRecovery.
+	Script string
 	// Target is the Talos version the demo upgrades to.
 	Target string
 	// PluginDir holds kubectl-ichor; it goes first on PATH, where kubectl
@@ -69,6 +71,8 @@ type demo struct {
 	// target is the worker the reboot drains: the one with the most web
 	// pods, so that web's budget holds the drain back.
 	target string
+	// snapshotRevision is the revision of the recovery's etcd snapshot.
+	snapshotRevision int64
 }
 
 func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) error {
@@ -77,7 +81,6 @@ func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) er
 		sb:    sb,
 		cfg:   cfg,
 		out:   &lockedWriter{w: out},
-		steps: 9,
 		short: 30*time.Second + 10*sb.cfg.Pace,
 		long:  time.Minute + time.Duration(machines)*15*sb.cfg.Pace,
 		env: append(os.Environ(),
@@ -87,14 +90,25 @@ func runDemo(ctx context.Context, sb *Sandbox, cfg demoConfig, out io.Writer) er
 			"NO_COLOR=1"),
 	}
 	defer d.stopBackground()
-	for _, step := range []func(context.Context) error{
-		d.cluster, d.upgrade, d.secondOperation, d.fault, d.paused, d.lockPassed, d.drained, d.retry, d.finish,
-	} {
+	steps := d.tour()
+	if cfg.Script == scriptRecovery {
+		steps = d.recovery()
+	}
+	d.steps = len(steps)
+	for _, step := range steps {
 		if err := step(ctx); err != nil {
 			return fmt.Errorf("step %d: %w", d.step, err)
 		}
 	}
 	return nil
+}
+
+// tour is the first walk-through (--demo): an upgrade, the lock, a fault,
+// a drain held by a budget, a retry.
+func (d *demo) tour() []func(context.Context) error {
+	return []func(context.Context) error{
+		d.cluster, d.upgrade, d.secondOperation, d.fault, d.paused, d.lockPassed, d.drained, d.retry, d.finish,
+	}
 }
 
 func (d *demo) heading(title string) {

@@ -52,9 +52,8 @@ func main() {
 // options are the command line.
 type options struct {
 	config
+	// demo is --demo's: with a script, it runs instead of waiting for Ctrl-C.
 	demo demoConfig
-	// Demo runs the walk-through instead of waiting for Ctrl-C.
-	Demo bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -82,7 +81,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.Kubectl, "kubectl", defaultKubectl(), "the kubectl to run ($KUBECTL)")
 	fs.StringVar(&o.Controller, "controller", filepath.Join(root, "bin", "ichor-controller"), "the ichor-controller binary the controller's pods run (make build)")
 	fs.Var(pairValue{&o.Images, "IMAGE=BINARY", "ghcr.io/maesh-dev/ichor-controller:v0.2.0=/tmp/v0.2.0/ichor-controller", filepath.Abs}, "image", "IMAGE=BINARY: the machines run pods of IMAGE as BINARY, like a second build to upgrade to (repeatable)")
-	fs.BoolVar(&o.Demo, "demo", false, "run the scripted walk-through, check every step, then stop")
+	fs.Var(scriptValue{&o.demo.Script}, "demo", "run a scripted walk-through, check every step, then stop: --demo is the tour (make demo), --demo=recovery a shutdown and an etcd restore (make demo-recovery)")
 	fs.StringVar(&o.demo.Target, "to", "v1.13.7", "with --demo: the Talos version the demo upgrades to")
 	fs.StringVar(&o.demo.PluginDir, "plugin-dir", filepath.Join(root, "bin"), "with --demo: the directory holding kubectl-ichor (make build)")
 	if err := fs.Parse(args); err != nil {
@@ -95,7 +94,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, err
 	}
 	o.Stdout = io.Discard
-	if o.Demo {
+	if o.demo.Script != "" {
 		return o, o.demo.validate(o.config)
 	}
 	return o, nil
@@ -131,6 +130,39 @@ func (v pairValue) Set(s string) error {
 		*v.m = map[string]string{}
 	}
 	(*v.m)[key] = val
+	return nil
+}
+
+// scriptValue is --demo: a boolean flag (--demo runs the tour) that also
+// takes the name of another script (--demo=recovery).
+type scriptValue struct{ script *string }
+
+// Scripts of --demo.
+const (
+	scriptTour     = "tour"
+	scriptRecovery = "recovery"
+)
+
+func (v scriptValue) String() string {
+	if v.script == nil {
+		return ""
+	}
+	return *v.script
+}
+
+func (v scriptValue) IsBoolFlag() bool { return true }
+
+func (v scriptValue) Set(s string) error {
+	switch s {
+	case "true", scriptTour:
+		*v.script = scriptTour
+	case "false":
+		*v.script = ""
+	case scriptRecovery:
+		*v.script = scriptRecovery
+	default:
+		return fmt.Errorf("%q: write --demo (the tour) or --demo=%s", s, scriptRecovery)
+	}
 	return nil
 }
 
@@ -179,7 +211,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout, "Stopping the sandbox: ichor-controller, the machines, the control plane; removing", relative(o.Dir))
 		sb.Stop()
 	}()
-	if o.Demo {
+	if o.demo.Script != "" {
 		if err := runDemo(ctx, sb, o.demo, stdout); err != nil {
 			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n(the sandbox's logs were in %s and %s; they are removed with it)\n", err, relative(sb.Path(dirPods)), relative(sb.Path(fileSim)))
 			return 1

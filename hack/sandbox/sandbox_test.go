@@ -118,6 +118,42 @@ func TestDemo(t *testing.T) {
 	}
 }
 
+// TestRecoveryDemo runs the second walk-through, as `make demo-recovery`
+// does, on two workers, each running one of the controller's pods: the
+// etcd restore ends with the ConfigMaps made after the snapshot gone and
+// the operation written back; the shutdown's watch exits 0 when the API
+// goes, which it only does once the controller's pod has moved to a
+// control plane (the workers all cordoned); after power-on the operation
+// records every machine back and no Node stays cordoned.
+func TestRecoveryDemo(t *testing.T) {
+	assets(t)
+	plugins := buildBinaries(t)
+	dir := filepath.Join(t.TempDir(), "sandbox")
+	var out, errOut bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	code := run(ctx, []string{"--demo=recovery", "--workers", "2", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins, "--controller", filepath.Join(plugins, "ichor-controller")}, &out, &errOut)
+	t.Log(out.String())
+	if code != 0 {
+		t.Fatalf("the demo exited with %d:\n%s", code, errOut.String())
+	}
+	for _, want := range []string{
+		"$ kubectl ichor restore etcd --from file://" + filepath.Join(dir, fileSnapshot),
+		"is back: ichor-controller wrote it back from its journal",
+		"$ kubectl ichor shutdown --force",
+		"the API went away, as expected",
+		"ClusterBack: the cluster came back at",
+		"The demo ran as described",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the demo's output lacks %q", want)
+		}
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("the sandbox directory %s is still there after the demo (%v)", dir, err)
+	}
+}
+
 // TestInterrupt starts the sandbox as `make sandbox` does, checks what it
 // wrote and that everything listens on loopback only, then interrupts it:
 // it must exit 0, stop every server and remove its files. A second sandbox
@@ -320,6 +356,7 @@ func TestFlags(t *testing.T) {
 		{[]string{"--demo", "--workers", "0", "--plugin-dir", plugins}, "at least 2 control planes"},
 		{[]string{"--demo", "--plugin-dir", plugins}, "no kubectl-ichor in " + plugins},
 		{[]string{"--demo", "--to", "1.13.7", "--plugin-dir", plugins}, "leading v"},
+		{[]string{"--demo=restore", "--plugin-dir", plugins}, "write --demo (the tour) or --demo=recovery"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			dir := filepath.Join(t.TempDir(), "sandbox")
