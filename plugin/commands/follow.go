@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -225,6 +226,29 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 	defer ticker.Stop()
 	probe, access := &every{period: time.Second}, &every{period: 2 * time.Second}
 	rw := &rewind{first: op.UID}
+	// show puts next, a state of the followed name from the watch or a
+	// read, on the display; end is another operation of that name, which
+	// ends the following.
+	show := func(next *ichorv1.TalosOperation) (end, err error) {
+		if next.Name != name || (next.UID == op.UID && next.ResourceVersion == op.ResourceVersion) {
+			return nil, nil
+		}
+		// Already shown once: any later state of the same object is a
+		// modification, even when a relist reports it as added.
+		t := watch.Modified
+		switch identify(rw.first, op, next) {
+		case anotherOperation:
+			return fmt.Errorf("%s was deleted and another operation of that name created (uid %s); follow that one with `%s watch %s -n %s`",
+				ref(name), next.UID, e.Name, name, ns), nil
+		case writtenBack:
+			t = watch.Added
+			if err := d.note(writtenBackNote(rw.first, next)); err != nil {
+				return nil, err
+			}
+		}
+		op = next
+		return nil, d.update(t, op)
+	}
 	for {
 		if done, err := outcome(op, retryBaseline, e.Name); done {
 			return finish(d, op, err)
@@ -237,27 +261,14 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			}
 			switch ev.Type {
 			case watch.Added, watch.Modified:
-				next, ok := ev.Object.(*ichorv1.TalosOperation)
-				// The informer's first list repeats what the Get showed.
-				if !ok || next.Name != name || (next.UID == op.UID && next.ResourceVersion == op.ResourceVersion) {
-					break
-				}
-				// Already shown once: any later state of the same object is a
-				// modification, even when a relist reports it as added.
-				t := watch.Modified
-				switch identify(rw.first, op, next) {
-				case anotherOperation:
-					return finish(d, op, fmt.Errorf("%s was deleted and another operation of that name created (uid %s); follow that one with `%s watch %s -n %s`",
-						ref(name), next.UID, e.Name, name, ns))
-				case writtenBack:
-					t = watch.Added
-					if err := d.note(writtenBackNote(rw.first, next)); err != nil {
+				// The informer's first list repeats what the Get showed (show
+				// passes over it).
+				if next, ok := ev.Object.(*ichorv1.TalosOperation); ok {
+					if end, err := show(next); err != nil {
 						return err
+					} else if end != nil {
+						return finish(d, op, end)
 					}
-				}
-				op = next
-				if err := d.update(t, op); err != nil {
-					return err
 				}
 			case watch.Deleted:
 				if !restoring(op) {
@@ -288,7 +299,8 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 			// The informer retries silently while the API is away: say why,
 			// and watch anew once it answers again.
 			if restoring(op) && probe.due() {
-				say, rewatch := rw.probed(ctx, readBack(ctx, c, op))
+				got, err := readOperation(ctx, c, op)
+				say, rewatch := rw.probed(ctx, err)
 				if say {
 					if err := rw.sayAway(d); err != nil {
 						return err
@@ -297,6 +309,16 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 				if rewatch {
 					w.Stop()
 					w = watchOperations(ctx, c, ns, name)
+				}
+				// A watch that resumed on the rewound store may miss what it
+				// holds (its resourceVersions start below the last one the
+				// watch saw): the read shows the write-back all the same.
+				if got != nil && (got.UID != op.UID || newerVersion(got, op)) {
+					if end, err := show(got); err != nil {
+						return err
+					} else if end != nil {
+						return finish(d, op, end)
+					}
 				}
 			}
 			if replacesYourCA(op) && access.due() {
@@ -431,9 +453,28 @@ func apiGone(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) b
 // readBack reads op again, within a few seconds: nil, the API's refusal,
 // or why no answer came.
 func readBack(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) error {
+	_, err := readOperation(ctx, c, op)
+	return err
+}
+
+// readOperation reads the operation of op's name from the API server
+// (etcd itself, not a watch cache), within a few seconds.
+func readOperation(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) (*ichorv1.TalosOperation, error) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	return c.Get(ctx, client.ObjectKeyFromObject(op), &ichorv1.TalosOperation{})
+	got := &ichorv1.TalosOperation{}
+	if err := c.Get(ctx, client.ObjectKeyFromObject(op), got); err != nil {
+		return nil, err
+	}
+	return got, nil
+}
+
+// newerVersion: got is a later state of the object op is (its
+// resourceVersion, etcd's revision, is higher).
+func newerVersion(got, op *ichorv1.TalosOperation) bool {
+	a, errA := strconv.ParseUint(got.ResourceVersion, 10, 64)
+	b, errB := strconv.ParseUint(op.ResourceVersion, 10, 64)
+	return got.UID == op.UID && errA == nil && errB == nil && a > b
 }
 
 // noAnswer: err is no answer of the API server's (a connection refused or

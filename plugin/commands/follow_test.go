@@ -3,12 +3,19 @@ package commands
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
+	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/cli-runtime/pkg/genericiooptions"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/client/fake"
+	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 )
@@ -97,5 +104,54 @@ func TestRewindProbed(t *testing.T) {
 	cancel()
 	if say, rewatch := (&rewind{lost: true}).probed(cancelled, noAnswer); say || rewatch {
 		t.Errorf("after an interrupt: say %v rewatch %v, want neither", say, rewatch)
+	}
+}
+
+// TestFollowSeesTheWriteBackTheWatchMisses: a watch that resumed on the
+// rewound store may never deliver the operation ichor-controller writes
+// back (its resourceVersions start below the last one the watch saw). The
+// follow of a restore reads the operation itself while it waits, and ends
+// Succeeded on the write-back all the same.
+func TestFollowSeesTheWriteBackTheWatchMisses(t *testing.T) {
+	old := restoreOp("old", ichorv1.PhaseRunning, "")
+	old.Namespace = testNS
+	back := restoreOp("new", ichorv1.PhaseSucceeded, "old")
+	back.Namespace = testNS
+	gets := 0
+	c := fake.NewClientBuilder().WithScheme(Scheme).WithObjects(old).WithInterceptorFuncs(interceptor.Funcs{
+		// The store rewinds and gets the write-back once the follow has
+		// read the operation as it was.
+		Get: func(ctx context.Context, c client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+			err := c.Get(ctx, key, obj, opts...)
+			if gets++; gets == 1 {
+				if err := c.Delete(ctx, old.DeepCopy()); err != nil {
+					t.Error(err)
+				}
+				if err := c.Create(ctx, back.DeepCopy()); err != nil {
+					t.Error(err)
+				}
+			}
+			return err
+		},
+		// The informer's list is the store as it was, and its watch says nothing.
+		List: func(ctx context.Context, c client.WithWatch, list client.ObjectList, opts ...client.ListOption) error {
+			list.(*ichorv1.TalosOperationList).Items = []ichorv1.TalosOperation{*old.DeepCopy()}
+			return nil
+		},
+		Watch: func(context.Context, client.WithWatch, client.ObjectList, ...client.ListOption) (watch.Interface, error) {
+			return watch.NewFake(), nil
+		},
+	}).Build()
+	streams, _, out, _ := genericiooptions.NewTestIOStreams()
+	e := NewEnv("kubectl-ichor", streams)
+	err := e.follow(context.Background(), c, testNS, old.Name, followFlags{watch: true, timeout: 15 * time.Second}, out, -1)
+	if err != nil {
+		t.Fatalf("follow: %v\n%s", err, out)
+	}
+	if !strings.Contains(out.String(), "is back: ichor-controller wrote it back from its journal") {
+		t.Errorf("the follow did not say the operation was written back:\n%s", out)
+	}
+	if gets < 2 {
+		t.Errorf("the follow read the operation %d times", gets)
 	}
 }
