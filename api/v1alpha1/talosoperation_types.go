@@ -282,9 +282,23 @@ type ResetOptions struct {
 
 // ClusterShutdown is the block of kind shutdown.
 type ClusterShutdown struct {
-	// Force skips draining and stops the machines straight away.
+	// Force skips draining and stops the machines straight away: each
+	// worker is cordoned, and only the controller's own pod moves off it.
 	// +optional
 	Force bool `json:"force,omitempty"`
+	// Snapshot is where the shutdown first saves a snapshot of etcd, before
+	// any machine stops, to restore from (kind etcd-restore) if the cluster
+	// does not come back whole: a file:// URL (a path the controller writes,
+	// such as a mounted volume) or s3://bucket/key. Empty takes none.
+	// +kubebuilder:validation:MaxLength=2048
+	// +kubebuilder:validation:XValidation:rule="self.matches('^(file|s3)://.+')",message="must be a file:// or s3:// URL"
+	// +optional
+	Snapshot string `json:"snapshot,omitempty"`
+	// Secret names a Secret in the controller's namespace with the
+	// credentials of an s3:// snapshot, as spec.etcdRestore.secret does.
+	// +kubebuilder:validation:MaxLength=253
+	// +optional
+	Secret string `json:"secret,omitempty"`
 }
 
 // CARotation is the block of kind ca-rotation.

@@ -194,7 +194,7 @@ func fetchSnapshot(ctx context.Context, e *Env) (string, error) {
 	if _, err := snapshot.Verify(dst); err == nil {
 		return dst, nil
 	}
-	creds, err := s3Credentials(ctx, e)
+	creds, err := s3Credentials(ctx, e, r.Secret, "spec.etcdRestore.secret")
 	if err != nil {
 		return "", err
 	}
@@ -209,18 +209,19 @@ func fetchSnapshot(ctx context.Context, e *Env) (string, error) {
 	return dst, nil
 }
 
-func s3Credentials(ctx context.Context, e *Env) (snapshot.Credentials, error) {
-	name := e.Op.Spec.EtcdRestore.Secret
+// s3Credentials reads an S3 snapshot's credentials from the Secret name in
+// the controller's namespace, which the field says (none without a name).
+func s3Credentials(ctx context.Context, e *Env, name, field string) (snapshot.Credentials, error) {
 	if name == "" {
 		return snapshot.Credentials{}, nil
 	}
 	var s corev1.Secret
 	key := client.ObjectKey{Namespace: e.Controller.Namespace, Name: name}
 	if err := e.Live.Get(ctx, key, &s); apierrors.IsForbidden(err) {
-		return snapshot.Credentials{}, fmt.Errorf("the controller may not read the Secret %s/%s that spec.etcdRestore.secret names: "+
-			"add it to the resourceNames of the Role ichor-controller-etcd-restore there (it lists ichor-etcd-snapshot), or put the credentials in ichor-etcd-snapshot", key.Namespace, key.Name)
+		return snapshot.Credentials{}, fmt.Errorf("the controller may not read the Secret %s/%s that %s names: "+
+			"add it to the resourceNames of the Role ichor-controller-etcd-restore there (it lists ichor-etcd-snapshot), or put the credentials in ichor-etcd-snapshot", key.Namespace, key.Name, field)
 	} else if err != nil {
-		return snapshot.Credentials{}, fmt.Errorf("read the Secret %s/%s that spec.etcdRestore.secret names: %w", key.Namespace, key.Name, err)
+		return snapshot.Credentials{}, fmt.Errorf("read the Secret %s/%s that %s names: %w", key.Namespace, key.Name, field, err)
 	}
 	return snapshot.CredentialsFrom(&s)
 }

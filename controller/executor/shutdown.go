@@ -3,6 +3,7 @@ package executor
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"time"
 
@@ -16,33 +17,46 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/snapshot"
 	"maesh.dev/ichor/controller/talos"
 )
 
-// Stages of the shutdown kind: the workers within maxUnavailable, then
-// every control plane together, in one call.
+// Stages of the shutdown kind: the etcd safety snapshot where
+// spec.shutdown.snapshot asks for one, the workers within maxUnavailable,
+// then every control plane together, in one call.
 const (
+	StageSnapshot      = "etcd-snapshot"
 	StageWorkers       = "workers"
 	StageControlPlanes = "control-planes"
 )
 
 // Steps of the shutdown kind besides the shared ones.
 const (
+	StepSaveSnapshot          = "save-etcd-snapshot"
 	StepEvictSelf             = "evict-controller"
 	StepCheckControlPlanes    = "check-control-planes"
 	StepShutdownControlPlanes = "shutdown-control-planes"
 )
 
-// NoSnapshotLocation says why a shutdown takes no etcd safety snapshot:
-// Ichor has nowhere configured to keep one.
-const NoSnapshotLocation = "no etcd safety snapshot taken: Ichor has no snapshot location configured (take one with `talosctl etcd snapshot` before a shutdown you may need to restore from)"
+// NoSnapshotLocation says why a shutdown took no etcd safety snapshot.
+const NoSnapshotLocation = "no etcd safety snapshot taken: spec.shutdown.snapshot names no location (set it, as kubectl ichor shutdown --snapshot does, or take one with `talosctl etcd snapshot` before a shutdown you may need to restore from)"
+
+// shutdownEnds is the operation's final message but for what it says of
+// the safety snapshot (ShutdownEnds).
+const shutdownEnds = "the control planes are shutting down together (one call: etcd stops on every member at once); the API goes away now. " +
+	"To bring the cluster back, power on the control planes first: etcd re-forms quorum from its data once a majority is up (no bootstrap, and NTP must be reachable); " +
+	"then power on the workers. Once the API answers again, ichor-controller records here when the cluster came back (condition ClusterBack) and lifts the cordons it made. "
 
 // ShutdownEnds is the operation's final message, written before the call
-// that takes the API away.
-const ShutdownEnds = "the control planes are shutting down together (one call: etcd stops on every member at once); the API goes away now. " +
-	"To bring the cluster back, power on the control planes first: etcd re-forms quorum from its data once a majority is up (no bootstrap, and NTP must be reachable); " +
-	"then power on the workers. Once the API answers again, ichor-controller records here when the cluster came back (condition ClusterBack) and lifts the cordons it made. " +
-	NoSnapshotLocation
+// that takes the API away: how to bring the cluster back, and where the
+// safety snapshot is to restore from.
+func ShutdownEnds(op *ichorv1.TalosOperation) string {
+	if s := op.Spec.Shutdown; s != nil && s.Snapshot != "" {
+		return shutdownEnds + "The etcd snapshot saved before the shutdown is at " + s.Snapshot +
+			": if the cluster does not come back whole, restore from it (kubectl ichor restore etcd --from " + s.Snapshot + ")."
+	}
+	return shutdownEnds + NoSnapshotLocation
+}
 
 // ClusterShutdown stops the whole cluster for planned downtime, in the
 // order Talos's own sequences call for (TALOS_API.md, whole-cluster
@@ -94,18 +108,32 @@ func (ClusterShutdown) StopsMachines() bool { return true }
 func (ClusterShutdown) Check(context.Context, *Env) []string { return nil }
 
 // Stages implements Stager.
-func (ClusterShutdown) Stages(*ichorv1.TalosOperation) []ichorv1.StageStatus {
-	return []ichorv1.StageStatus{
-		{Name: StageWorkers, Roles: []ichorv1.MachineRole{ichorv1.RoleWorker}, Order: ichorv1.StageRolling},
-		{Name: StageControlPlanes, Roles: []ichorv1.MachineRole{ichorv1.RoleControlPlane}, Order: ichorv1.StageOnce},
+func (ClusterShutdown) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus {
+	var stages []ichorv1.StageStatus
+	if snapshotLocation(op) != "" {
+		stages = append(stages, ichorv1.StageStatus{Name: StageSnapshot, Roles: []ichorv1.MachineRole{ichorv1.RoleControlPlane}, Order: ichorv1.StageOnce})
 	}
+	return append(stages,
+		ichorv1.StageStatus{Name: StageWorkers, Roles: []ichorv1.MachineRole{ichorv1.RoleWorker}, Order: ichorv1.StageRolling},
+		ichorv1.StageStatus{Name: StageControlPlanes, Roles: []ichorv1.MachineRole{ichorv1.RoleControlPlane}, Order: ichorv1.StageOnce},
+	)
+}
+
+func snapshotLocation(op *ichorv1.TalosOperation) string {
+	if op.Spec.Shutdown == nil {
+		return ""
+	}
+	return op.Spec.Shutdown.Snapshot
 }
 
 // Steps implements Executor.
 func (ClusterShutdown) Steps(op *ichorv1.TalosOperation, _ *ichorv1.MachineStatus) []Step {
-	if op.Status.Stage == StageControlPlanes {
+	switch op.Status.Stage {
+	case StageSnapshot:
+		return []Step{saveSnapshotStep()}
+	case StageControlPlanes:
 		return []Step{checkControlPlanesStep(), {Name: StepShutdownControlPlanes, Timeout: 2 * time.Minute,
-			Irreversible: true, Ends: ShutdownEnds, Run: shutdownControlPlanes.make}}
+			Irreversible: true, Ends: ShutdownEnds(op), Run: shutdownControlPlanes.make}}
 	}
 	steps := []Step{recordBootStep()}
 	if force(op) {
@@ -132,9 +160,50 @@ var (
 	shutdownControlPlanes = call{what: "shutdown of every control plane", reason: "ShutdownFailed",
 		stages: []runtime.MachineStage{runtime.MachineStageShuttingDown},
 		send: func(ctx context.Context, e *Env) (Outcome, error) {
-			return Outcome{Message: ShutdownEnds}, talos.ShutdownAll(ctx, e.Talos, e.ControlPlanes, true)
+			return Outcome{Message: ShutdownEnds(e.Op)}, talos.ShutdownAll(ctx, e.Talos, e.ControlPlanes, true)
 		}}
 )
+
+// saveSnapshotStep saves the safety snapshot: etcd's, streamed from the
+// first control plane, verified, and stored where spec.shutdown.snapshot
+// says, before any machine stops. It can run again (it overwrites), and a
+// failure pauses the shutdown with every machine still up.
+func saveSnapshotStep() Step {
+	return Step{Name: StepSaveSnapshot, Timeout: 10 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+		s := e.Op.Spec.Shutdown
+		loc, err := snapshot.Parse(s.Snapshot)
+		if err != nil {
+			return Outcome{}, Fail("SnapshotFailed", "spec.shutdown.snapshot: %w", err)
+		}
+		creds, err := s3Credentials(ctx, e, s.Secret, "spec.shutdown.secret")
+		if err != nil {
+			return Outcome{}, Fail("SnapshotFailed", "%w", err)
+		}
+		if err := e.requireAddress(); err != nil {
+			return Outcome{}, err
+		}
+		local, err := os.CreateTemp("", "ichor-etcd-snapshot-*.db")
+		if err != nil {
+			return Outcome{}, fmt.Errorf("etcd snapshot: %w", err)
+		}
+		defer os.Remove(local.Name()) //nolint:errcheck
+		err = talos.EtcdSnapshot(ctx, e.Talos, e.Address, local)
+		if cerr := local.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return Outcome{}, err
+		}
+		st, err := snapshot.Verify(local.Name())
+		if err != nil {
+			return Outcome{}, Fail("SnapshotFailed", "the etcd snapshot %s streamed does not verify: %w", e.Machine.Name, err)
+		}
+		if err := snapshot.Save(ctx, loc, creds, local.Name()); err != nil {
+			return Outcome{}, Fail("SnapshotFailed", "%w (nothing was shut down; fix the location, then retry)", err)
+		}
+		return Outcome{Message: fmt.Sprintf("etcd snapshot saved to %s: %s", s.Snapshot, st)}, nil
+	}}
+}
 
 // evictSelfStep evicts the controller's own pod when it runs on the
 // machine (a forced shutdown drains nothing else): its replacement, on a
@@ -191,7 +260,11 @@ func checkControlPlanesStep() Step {
 		if err != nil {
 			return Outcome{}, err
 		}
-		return Outcome{BootID: boot, Message: NoSnapshotLocation}, nil
+		msg := NoSnapshotLocation
+		if loc := snapshotLocation(e.Op); loc != "" {
+			msg = "etcd snapshot saved before the shutdown: " + loc
+		}
+		return Outcome{BootID: boot, Message: msg}, nil
 	}}
 }
 

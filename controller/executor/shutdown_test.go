@@ -28,6 +28,7 @@ func TestShutdownSteps(t *testing.T) {
 		{"worker", op(false, StageWorkers), []string{StepRecordBoot, StepCordon, StepDrain, StepShutdown, StepWaitDown}},
 		{"worker, force", op(true, StageWorkers), []string{StepRecordBoot, StepCordon, StepEvictSelf, StepShutdown, StepWaitDown}},
 		{"control planes", op(false, StageControlPlanes), []string{StepCheckControlPlanes, StepShutdownControlPlanes}},
+		{"safety snapshot", op(false, StageSnapshot), []string{StepSaveSnapshot}},
 	}
 	for _, tt := range tests {
 		steps := ClusterShutdown{}.Steps(tt.op, &ichorv1.MachineStatus{})
@@ -41,6 +42,35 @@ func TestShutdownSteps(t *testing.T) {
 		last := steps[len(steps)-1]
 		if ends := tt.op.Status.Stage == StageControlPlanes; ends != (last.Ends != "" && last.Irreversible) {
 			t.Errorf("%s: last step %s Ends %q, Irreversible %v", tt.name, last.Name, last.Ends, last.Irreversible)
+		}
+	}
+}
+
+// TestShutdownStages: the safety snapshot's stage comes first, once,
+// where spec.shutdown.snapshot names a location; the final message says
+// where the snapshot is, or that none was taken.
+func TestShutdownStages(t *testing.T) {
+	for _, tt := range []struct {
+		snapshot string
+		stages   []string
+		says     string
+	}{
+		{"", []string{StageWorkers, StageControlPlanes}, NoSnapshotLocation},
+		{"s3://backups/before.db", []string{StageSnapshot, StageWorkers, StageControlPlanes}, "kubectl ichor restore etcd --from s3://backups/before.db"},
+	} {
+		op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{Snapshot: tt.snapshot}}}
+		var got []string
+		for _, st := range (ClusterShutdown{}).Stages(op) {
+			got = append(got, st.Name)
+			if st.Name == StageSnapshot && st.Order != ichorv1.StageOnce {
+				t.Errorf("the snapshot stage's order is %s, want Once", st.Order)
+			}
+		}
+		if !reflect.DeepEqual(got, tt.stages) {
+			t.Errorf("snapshot %q: stages %v, want %v", tt.snapshot, got, tt.stages)
+		}
+		if ends := ShutdownEnds(op); !strings.Contains(ends, tt.says) {
+			t.Errorf("snapshot %q: the final message %q does not say %q", tt.snapshot, ends, tt.says)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package operation_test
 
 import (
 	"context"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,13 +18,16 @@ import (
 	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/controller/snapshot"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
 
 // TestShutdownWholeCluster shuts down a cluster whose control planes host
-// its API (3 control planes, 2 workers), with the controller "on" the
+// its API (3 control planes, 2 workers), saving an etcd snapshot to a file
+// first (it verifies, and was streamed before any machine stopped; the
+// final message says to restore from it), with the controller "on" the
 // first worker, killed right after the second worker's shutdown call was
 // accepted and before status recorded it, and killed again once the
 // control planes' call went out. Every machine ends off and the API gone;
@@ -68,8 +72,9 @@ func TestShutdownWholeCluster(t *testing.T) {
 	workerKilled := killAfter(other, executor.StepShutdown)
 	cpsKilled := killAfter(ms[0].Name(), executor.StepShutdownControlPlanes)
 	start()
+	snap := filepath.Join(t.TempDir(), "before-shutdown.db")
 	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "shutdown"},
-		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{}}}
+		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{Snapshot: "file://" + snap}}}
 	if err := henv.Client.Create(ctx, op); err != nil {
 		t.Fatal(err)
 	}
@@ -111,15 +116,27 @@ func TestShutdownWholeCluster(t *testing.T) {
 		c := meta.FindStatusCondition(got.Status.Conditions, ichorv1.ConditionClusterBack)
 		return c != nil && c.Reason == executor.ReasonAllMachinesBack, nil
 	})
-	if !got.Succeeded() || !strings.Contains(got.Status.Message, "power on the control planes first") {
+	if !got.Succeeded() || !strings.Contains(got.Status.Message, "power on the control planes first") ||
+		!strings.Contains(got.Status.Message, "kubectl ichor restore etcd --from file://"+snap) {
 		t.Errorf("after power-on the operation is %s: %q", got.Status.Phase, got.Status.Message)
+	}
+	// The safety snapshot: saved, whole, before the first machine stopped.
+	if st, err := snapshot.Verify(snap); err != nil || st.Revision == 0 {
+		t.Errorf("the safety snapshot at %s: %+v, %v", snap, st, err)
 	}
 	back := meta.FindStatusCondition(got.Status.Conditions, ichorv1.ConditionClusterBack)
 	if !back.LastTransitionTime.After(got.Status.CompletionTime.Time) || !strings.Contains(back.Message, "5/5 machines back") {
 		t.Errorf("ClusterBack %s at %s, completed at %s", back.Message, back.LastTransitionTime, got.Status.CompletionTime)
 	}
 	rec := fleet.Recorder()
+	snapshots := rec.Handled(ms[0].Name(), "EtcdSnapshot")
+	if len(snapshots) == 0 {
+		t.Errorf("%s streamed no etcd snapshot", ms[0].Name())
+	}
 	for _, m := range ms {
+		if c := rec.Handled(m.Name(), "Shutdown"); len(snapshots) > 0 && len(c) > 0 && !snapshots[0].At.Before(c[0].At) {
+			t.Errorf("%s was shut down at %s, before the safety snapshot at %s", m.Name(), c[0].At, snapshots[0].At)
+		}
 		if n := len(rec.Handled(m.Name(), "Shutdown")); n != 1 {
 			t.Errorf("%s got %d Shutdown calls, want 1", m.Name(), n)
 		}

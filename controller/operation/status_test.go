@@ -304,19 +304,20 @@ func TestFailuresOf5000MachinesFit(t *testing.T) {
 // away (a shutdown's, longer than any other) is the operation's, whole.
 func TestEndingMessageIsWhole(t *testing.T) {
 	start := metav1.NewTime(time.Date(2026, 11, 30, 1, 2, 3, 0, time.UTC))
-	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown}}
+	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{}}}
+	ends := executor.ShutdownEnds(op)
 	st := &op.Status
 	st.StartTime = &start
 	st.Machines = []ichorv1.MachineStatus{
 		{Name: "cp-1", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, Step: executor.StepShutdownControlPlanes, Calls: 1,
-			FinishedAt: &start, Message: executor.ShutdownEnds},
+			FinishedAt: &start, Message: ends},
 		{Name: "cp-2", Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, FinishedAt: &start, Message: "in the call made from cp-1"},
 	}
-	if len(executor.ShutdownEnds) <= maxMessage {
-		t.Fatalf("the shutdown's message is %d bytes, no longer than other messages may be (%d): the test shows nothing", len(executor.ShutdownEnds), maxMessage)
+	if len(ends) <= maxMessage {
+		t.Fatalf("the shutdown's message is %d bytes, no longer than other messages may be (%d): the test shows nothing", len(ends), maxMessage)
 	}
 	deriveStatus(op, start, "")
-	if st.Message != executor.ShutdownEnds || st.Machines[0].Message != executor.ShutdownEnds {
+	if st.Message != ends || st.Machines[0].Message != ends {
 		t.Errorf("the operation's message is %q, its ending machine's %q; want the shutdown's whole", st.Message, st.Machines[0].Message)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"net/url"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -115,7 +116,7 @@ func Fetch(ctx context.Context, loc Location, creds Credentials) (*Local, error)
 func fetchS3(ctx context.Context, loc Location, creds Credentials) (*Local, error) {
 	out, err := s3Client(creds).GetObject(ctx, &s3.GetObjectInput{Bucket: &loc.Bucket, Key: &loc.Path})
 	if err != nil {
-		return nil, s3Error(loc, err)
+		return nil, s3Error("read", loc, err)
 	}
 	defer out.Body.Close()
 	f, err := os.CreateTemp("", "etcd-snapshot-*.db")
@@ -134,8 +135,50 @@ func fetchS3(ctx context.Context, loc Location, creds Credentials) (*Local, erro
 	return l, nil
 }
 
+// Save stores the snapshot at local in loc: a file written beside its
+// destination and renamed into place, so that a reader never finds half of
+// one; an S3 object uploaded whole.
+func Save(ctx context.Context, loc Location, creds Credentials, local string) error {
+	src, err := os.Open(local)
+	if err != nil {
+		return fmt.Errorf("save snapshot: %w", err)
+	}
+	defer src.Close() //nolint:errcheck
+	if loc.Scheme == "s3" {
+		if _, err := s3Client(creds).PutObject(ctx, &s3.PutObjectInput{Bucket: &loc.Bucket, Key: &loc.Path, Body: src}); err != nil {
+			return s3Error("write", loc, err)
+		}
+		return nil
+	}
+	dir := filepath.Dir(loc.Path)
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(loc.Path)+".*")
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("no directory %s on the controller (mount the volume the snapshot goes to)", dir)
+	}
+	if err != nil {
+		return fmt.Errorf("save snapshot: %w", err)
+	}
+	defer os.Remove(tmp.Name()) //nolint:errcheck // gone after the rename
+	_, err = io.Copy(tmp, src)
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), loc.Path)
+	}
+	if err != nil {
+		return fmt.Errorf("save snapshot to %s: %w", loc.Path, err)
+	}
+	return nil
+}
+
 func s3Client(c Credentials) *s3.Client {
-	o := s3.Options{Region: c.Region}
+	// Checksums only where S3 requires them: S3-compatible servers do not
+	// all read the SDK's default aws-chunked uploads with trailing checksums.
+	o := s3.Options{Region: c.Region, RequestChecksumCalculation: aws.RequestChecksumCalculationWhenRequired}
 	if o.Region == "" {
 		o.Region = "us-east-1"
 	}
@@ -151,8 +194,9 @@ func s3Client(c Credentials) *s3.Client {
 	return s3.New(o)
 }
 
-// s3Error says what S3 answered, with ErrNotFound for a missing bucket or key.
-func s3Error(loc Location, err error) error {
+// s3Error says what S3 answered to a read or write, with ErrNotFound for a
+// missing bucket or key.
+func s3Error(verb string, loc Location, err error) error {
 	var noKey *s3types.NoSuchKey
 	var noBucket *s3types.NoSuchBucket
 	var api smithy.APIError
@@ -164,7 +208,7 @@ func s3Error(loc Location, err error) error {
 	case errors.As(err, &api) && api.ErrorCode() == "NotFound":
 		return fmt.Errorf("%w: s3://%s/%s", ErrNotFound, loc.Bucket, loc.Path)
 	case errors.As(err, &api):
-		return fmt.Errorf("read s3://%s/%s: %s: %s", loc.Bucket, loc.Path, api.ErrorCode(), api.ErrorMessage())
+		return fmt.Errorf("%s s3://%s/%s: %s: %s", verb, loc.Bucket, loc.Path, api.ErrorCode(), api.ErrorMessage())
 	}
-	return fmt.Errorf("read s3://%s/%s: %w", loc.Bucket, loc.Path, err)
+	return fmt.Errorf("%s s3://%s/%s: %w", verb, loc.Bucket, loc.Path, err)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
 	"slices"
@@ -188,4 +189,19 @@ func hostname(md hostnamed) string {
 		return h
 	}
 	return "?"
+}
+
+// EtcdSnapshot streams a snapshot of etcd from the control plane at node
+// into w, as `talosctl etcd snapshot` does: the file etcd's maintenance API
+// makes, its SHA-256 at the end.
+func EtcdSnapshot(ctx context.Context, c *talosclient.Client, node string, w io.Writer) error {
+	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, node), &machine.EtcdSnapshotRequest{})
+	if err != nil {
+		return fmt.Errorf("etcd snapshot from %s: %w", node, err)
+	}
+	defer rc.Close() //nolint:errcheck
+	if _, err := io.Copy(w, rc); err != nil {
+		return fmt.Errorf("etcd snapshot from %s: %w", node, err)
+	}
+	return nil
 }

@@ -161,10 +161,19 @@ func (d *demo) shutdown(ctx context.Context) error {
 	d.heading("Shut the whole cluster down: the workers one at a time, then every control plane in one call")
 	d.say("Draining every worker would leave the workloads nowhere to run (web's budget holds the last drain), so")
 	d.say("--force stops the workers without draining; the controller's own pod still moves, last, to a control plane.")
+	d.say("First, before any machine stops, it saves an etcd snapshot to restore from (--snapshot).")
 	d.say("The final status is written before the control planes' call, which takes the API away: the watch exits 0.")
-	if _, err := d.run(ctx, 0, "kubectl", "ichor", "shutdown", "--force", "--name", shutdownName, "--yes", "--watch", "--timeout", d.long.String()); err != nil {
+	path := d.sb.Path(fileShutdownSnapshot)
+	d.sb.remember(fileShutdownSnapshot)
+	if _, err := d.run(ctx, 0, "kubectl", "ichor", "shutdown", "--force", "--snapshot", "file://"+path,
+		"--name", shutdownName, "--yes", "--watch", "--timeout", d.long.String()); err != nil {
 		return err
 	}
+	st, err := snapshot.Verify(path)
+	if err != nil {
+		return fmt.Errorf("expected the shutdown's safety snapshot at %s: %w", relative(path), err)
+	}
+	d.say("The safety snapshot %s: %s.", relative(path), st)
 	return d.poll(ctx, "every machine off", d.short, func(context.Context) (bool, error) {
 		for _, m := range d.sb.Fleet.Machines() {
 			if !m.Off() {

@@ -53,8 +53,10 @@ const (
 	// fileKustomization installs manifests/ with the controller image the
 	// machines run as bin/ichor-controller.
 	fileKustomization = "kustomization.yaml"
-	// fileSnapshot is the etcd snapshot of --demo=recovery.
-	fileSnapshot = "etcd.snapshot"
+	// fileSnapshot is the etcd snapshot --demo=recovery restores from;
+	// fileShutdownSnapshot the one its shutdown saves first.
+	fileSnapshot         = "etcd.snapshot"
+	fileShutdownSnapshot = "before-shutdown.snapshot"
 	// dirPods holds the files of the pods the machines run as processes
 	// (the controller's among them): kubeconfig, token and output.
 	dirPods = "pods"
@@ -71,7 +73,7 @@ const (
 // with what they hold.
 var sandboxDirs = []string{dirPods, dirCharts, dirControlPlane}
 
-var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization, fileSnapshot}
+var sandboxFiles = []string{fileKubeconfig, fileTalosconfig, fileEnv, fileState, fileSim, fileKCM, fileScheduler, fileWorkloads, fileKustomization, fileSnapshot, fileShutdownSnapshot}
 
 // The sandbox's kubelets heartbeat as Talos's do (a 40s Node Lease), and
 // the node-lifecycle controller waits Kubernetes' default 50s before it

@@ -140,7 +140,8 @@ func TestRecoveryDemo(t *testing.T) {
 	for _, want := range []string{
 		"$ kubectl ichor restore etcd --from file://" + filepath.Join(dir, fileSnapshot),
 		"is back: ichor-controller wrote it back from its journal",
-		"$ kubectl ichor shutdown --force",
+		"$ kubectl ichor shutdown --force --snapshot file://" + filepath.Join(dir, fileShutdownSnapshot),
+		"The safety snapshot ",
 		"the API went away, as expected",
 		"ClusterBack: the cluster came back at",
 		"The demo ran as described",

@@ -482,22 +482,29 @@ func newNodeActionCmd(e *Env, action ichorv1.NodeActionType, short string) *cobr
 
 func newShutdownCmd(e *Env) *cobra.Command {
 	var force bool
+	var snapshot, secret string
 	o := &createOptions{generateName: "shutdown-", kind: ichorv1.KindShutdown}
 	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
-		s.Shutdown = &ichorv1.ClusterShutdown{Force: force}
+		if secret != "" && snapshot == "" {
+			return usageErrorf("--secret goes with --snapshot: it holds the credentials of an s3:// snapshot location")
+		}
+		s.Shutdown = &ichorv1.ClusterShutdown{Force: force, Snapshot: snapshot, Secret: secret}
 		return nil
 	}
 	o.danger = func(*ichorv1.TalosOperationSpec) string {
 		return "This shuts down every machine of the cluster."
 	}
 	cmd := &cobra.Command{
-		Use:     "shutdown",
-		Short:   "Stop the whole cluster for planned downtime",
-		Example: fmt.Sprintf("  %[1]s shutdown --yes", e.Name),
-		Args:    cobra.NoArgs,
+		Use:   "shutdown",
+		Short: "Stop the whole cluster for planned downtime",
+		Example: fmt.Sprintf("  %[1]s shutdown --yes\n"+
+			"  %[1]s shutdown --snapshot s3://backups/etcd/before-shutdown.snapshot --secret ichor-etcd-snapshot --watch", e.Name),
+		Args: cobra.NoArgs,
 	}
 	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
-		c.Flags().BoolVar(&force, "force", false, "Skip draining and stop the machines straight away")
+		c.Flags().BoolVar(&force, "force", false, "Skip draining (each worker is only cordoned) and stop the machines straight away")
+		c.Flags().StringVar(&snapshot, "snapshot", "", "Save an etcd snapshot here first, before any machine stops: file:// (a path the controller writes) or s3://bucket/key")
+		c.Flags().StringVar(&secret, "secret", "", "Secret in the controller's namespace with the S3 credentials of --snapshot (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL)")
 	})
 }
 
