@@ -3,11 +3,9 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 
-	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -17,6 +15,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/snapshot"
+	"maesh.dev/ichor/controller/talos"
 	"maesh.dev/ichor/sim"
 )
 
@@ -83,28 +82,19 @@ func (d *demo) takeSnapshot(ctx context.Context, address, path string) (err erro
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer c.Close() //nolint:errcheck
 	ctx, cancel := context.WithTimeout(ctx, d.short)
 	defer cancel()
-	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, address), &machine.EtcdSnapshotRequest{})
-	if err != nil {
-		return fmt.Errorf("etcd snapshot from %s: %w", address, err)
-	}
-	defer rc.Close()
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {
 		return err
 	}
 	d.sb.remember(fileSnapshot)
-	defer func() {
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-	}()
-	if _, err := io.Copy(f, rc); err != nil {
-		return fmt.Errorf("etcd snapshot from %s: %w", address, err)
+	err = talos.EtcdSnapshot(ctx, c, address, f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
 	}
-	return nil
+	return err
 }
 
 // 3. The restore, followed live through the API's absence.

@@ -91,67 +91,67 @@ func buildBinary(path, pkg, v string) error {
 // before the upgrade reaches it on a busy machine), and checks that it
 // leaves nothing behind.
 func TestDemo(t *testing.T) {
-	assets(t)
-	plugins := buildBinaries(t)
-	dir := filepath.Join(t.TempDir(), "sandbox")
-	var out, errOut bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
-	defer cancel()
-	code := run(ctx, []string{"--demo", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins, "--controller", filepath.Join(plugins, "ichor-controller")}, &out, &errOut)
-	t.Log(out.String())
-	if code != 0 {
-		t.Fatalf("the demo exited with %d:\n%s", code, errOut.String())
-	}
-	for _, want := range []string{
+	_, out := runDemoTest(t, 6*time.Minute, "--demo")
+	wantLines(t, out,
 		"$ kubectl ichor upgrade talos --to v1.13.7 --name talos-upgrade",
 		"watch | ", // the live log of the first watch
 		"$ kubectl ichor retry talos-upgrade --watch",
 		"waiting: PodDisruptionBudget default/web (minAvailable 3", // the drain held by web's budget
-		"The demo ran as described",
-	} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("the demo's output lacks %q", want)
-		}
-	}
-	if _, err := os.Stat(dir); !os.IsNotExist(err) {
-		t.Errorf("the sandbox directory %s is still there after the demo (%v)", dir, err)
-	}
+	)
 }
 
 // TestRecoveryDemo runs the second walk-through, as `make demo-recovery`
 // does, on two workers, each running one of the controller's pods: the
 // etcd restore ends with the ConfigMaps made after the snapshot gone and
-// the operation written back; the shutdown's watch exits 0 when the API
-// goes, which it only does once the controller's pod has moved to a
-// control plane (the workers all cordoned); after power-on the operation
-// records every machine back and no Node stays cordoned.
+// the operation written back; the shutdown saves its safety snapshot and
+// its watch exits 0 when the API goes, which it only does once the
+// controller's pod has moved to a control plane (the workers all
+// cordoned); after power-on the operation records every machine back and
+// no Node stays cordoned.
 func TestRecoveryDemo(t *testing.T) {
+	dir, out := runDemoTest(t, 8*time.Minute, "--demo=recovery", "--workers", "2")
+	wantLines(t, out,
+		"$ kubectl ichor restore etcd --from file://"+filepath.Join(dir, fileSnapshot),
+		"is back: ichor-controller wrote it back from its journal",
+		"$ kubectl ichor shutdown --force --snapshot file://"+filepath.Join(dir, fileShutdownSnapshot),
+		"The safety snapshot ",
+		"the API went away, as expected",
+		"ClusterBack: the cluster came back at",
+	)
+}
+
+// runDemoTest runs a walk-through (args) at the tests' pace with the
+// binaries this test binary built, within timeout: it must exit 0, say it
+// ran as described and leave nothing behind. It returns the sandbox's
+// directory and what the walk-through printed.
+func runDemoTest(t *testing.T, timeout time.Duration, args ...string) (dir, printed string) {
+	t.Helper()
 	assets(t)
 	plugins := buildBinaries(t)
-	dir := filepath.Join(t.TempDir(), "sandbox")
+	dir = filepath.Join(t.TempDir(), "sandbox")
 	var out, errOut bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	code := run(ctx, []string{"--demo=recovery", "--workers", "2", "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins, "--controller", filepath.Join(plugins, "ichor-controller")}, &out, &errOut)
+	args = append(args, "--pace", "400ms", "--dir", dir, "--plugin-dir", plugins, "--controller", filepath.Join(plugins, "ichor-controller"))
+	code := run(ctx, args, &out, &errOut)
 	t.Log(out.String())
 	if code != 0 {
 		t.Fatalf("the demo exited with %d:\n%s", code, errOut.String())
 	}
-	for _, want := range []string{
-		"$ kubectl ichor restore etcd --from file://" + filepath.Join(dir, fileSnapshot),
-		"is back: ichor-controller wrote it back from its journal",
-		"$ kubectl ichor shutdown --force --snapshot file://" + filepath.Join(dir, fileShutdownSnapshot),
-		"The safety snapshot ",
-		"the API went away, as expected",
-		"ClusterBack: the cluster came back at",
-		"The demo ran as described",
-	} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("the demo's output lacks %q", want)
-		}
-	}
+	wantLines(t, out.String(), "The demo ran as described")
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("the sandbox directory %s is still there after the demo (%v)", dir, err)
+	}
+	return dir, out.String()
+}
+
+// wantLines checks that the demo printed each of wants.
+func wantLines(t *testing.T, printed string, wants ...string) {
+	t.Helper()
+	for _, want := range wants {
+		if !strings.Contains(printed, want) {
+			t.Errorf("the demo's output lacks %q", want)
+		}
 	}
 }
 

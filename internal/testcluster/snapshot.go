@@ -3,14 +3,13 @@ package testcluster
 import (
 	"bytes"
 	"context"
-	"io"
 	"os"
 	"testing"
 	"time"
 
-	"github.com/siderolabs/talos/pkg/machinery/api/machine"
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 
+	"maesh.dev/ichor/controller/talos"
 	"maesh.dev/ichor/sim"
 )
 
@@ -20,13 +19,8 @@ func TakeSnapshot(t testing.TB, c *talosclient.Client, m *sim.Machine, path stri
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	rc, err := c.EtcdSnapshot(talosclient.WithNode(ctx, m.Address()), &machine.EtcdSnapshotRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rc.Close()
 	var buf bytes.Buffer
-	if _, err := io.Copy(&buf, rc); err != nil {
+	if err := talos.EtcdSnapshot(ctx, c, m.Address(), &buf); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(path, buf.Bytes(), 0o600); err != nil {
