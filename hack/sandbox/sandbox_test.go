@@ -109,7 +109,7 @@ func TestDemo(t *testing.T) {
 // cordoned); after power-on the operation records every machine back and
 // no Node stays cordoned.
 func TestRecoveryDemo(t *testing.T) {
-	dir, out := runDemoTest(t, 8*time.Minute, "--demo=recovery", "--workers", "2")
+	dir, out := runDemoTest(t, 12*time.Minute, "--demo=recovery", "--workers", "2")
 	wantLines(t, out,
 		"$ kubectl ichor restore etcd --from file://"+filepath.Join(dir, fileSnapshot),
 		"is back: ichor-controller wrote it back from its journal",
