@@ -51,9 +51,9 @@ const shutdownEnds = "the control planes are shutting down together (one call: e
 // that takes the API away: how to bring the cluster back, and where the
 // safety snapshot is to restore from.
 func ShutdownEnds(op *ichorv1.TalosOperation) string {
-	if s := op.Spec.Shutdown; s != nil && s.Snapshot != "" {
-		return shutdownEnds + "The etcd snapshot saved before the shutdown is at " + s.Snapshot +
-			": if the cluster does not come back whole, restore from it (kubectl ichor restore etcd --from " + s.Snapshot + ")."
+	if loc := snapshotLocation(op); loc != "" {
+		return shutdownEnds + "The etcd snapshot saved before the shutdown is at " + loc +
+			": if the cluster does not come back whole, restore from it (kubectl ichor restore etcd --from " + loc + ")."
 	}
 	return shutdownEnds + NoSnapshotLocation
 }
@@ -119,6 +119,8 @@ func (ClusterShutdown) Stages(op *ichorv1.TalosOperation) []ichorv1.StageStatus 
 	)
 }
 
+// snapshotLocation is where the shutdown saves its etcd safety snapshot,
+// or "" for none.
 func snapshotLocation(op *ichorv1.TalosOperation) string {
 	if op.Spec.Shutdown == nil {
 		return ""

@@ -447,18 +447,13 @@ func (e *every) due() bool {
 // apiGone says whether the API server no longer answers: a read of the
 // operation gets no answer at all (an answer, even an error, is the API).
 func apiGone(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) bool {
-	return noAnswer(ctx, readBack(ctx, c, op))
-}
-
-// readBack reads op again, within a few seconds: nil, the API's refusal,
-// or why no answer came.
-func readBack(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) error {
 	_, err := readOperation(ctx, c, op)
-	return err
+	return noAnswer(ctx, err)
 }
 
 // readOperation reads the operation of op's name from the API server
-// (etcd itself, not a watch cache), within a few seconds.
+// (etcd itself, not a watch cache), within a few seconds: it, the API's
+// refusal, or why no answer came.
 func readOperation(ctx context.Context, c client.Reader, op *ichorv1.TalosOperation) (*ichorv1.TalosOperation, error) {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
