@@ -332,10 +332,34 @@ type KeyRotation struct {
 	// +kubebuilder:default=true
 	// +optional
 	ServiceAccount *bool `json:"serviceAccount,omitempty"`
-	// Secretbox rotates the secretbox encryption key of Secrets at rest.
+	// Secretbox rotates the secretbox encryption key of Secrets at rest
+	// (and migrates a cluster that encrypts with aescbc to secretbox).
 	// +kubebuilder:default=true
 	// +optional
 	Secretbox *bool `json:"secretbox,omitempty"`
+	// RestartWorkloads restarts, after a service-account key rotation, the
+	// pods whose projected ServiceAccount tokens the old key signed: evicted
+	// machine by machine, one pod of a workload at a time, within their
+	// PodDisruptionBudgets.
+	// +kubebuilder:default=true
+	// +optional
+	RestartWorkloads *bool `json:"restartWorkloads,omitempty"`
+}
+
+// Rotates says which keys the rotation replaces: each unless set false, as
+// the API's defaults (a nil block rotates both).
+func (k *KeyRotation) Rotates() (serviceAccount, secretbox bool) {
+	if k == nil {
+		return true, true
+	}
+	return k.ServiceAccount == nil || *k.ServiceAccount, k.Secretbox == nil || *k.Secretbox
+}
+
+// Restarts says whether a service-account key rotation restarts the
+// workloads (unless set false, as the API's default).
+func (k *KeyRotation) Restarts() bool {
+	sa, _ := k.Rotates()
+	return sa && (k == nil || k.RestartWorkloads == nil || *k.RestartWorkloads)
 }
 
 // EtcdRestore is the block of kind etcd-restore.

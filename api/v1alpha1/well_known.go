@@ -123,9 +123,16 @@ func DangerousKind(kind OperationKind, action NodeActionType) bool {
 // succeeded ("" when nothing): the controller appends it to the message
 // of a succeeded operation, and the plugin shows it.
 func Afterwards(spec TalosOperationSpec) string {
-	if spec.Kind != KindCARotation {
-		return ""
+	switch spec.Kind {
+	case KindCARotation:
+		return caAfterwards(spec)
+	case KindKeyRotation:
+		return keysAfterwards(spec)
 	}
+	return ""
+}
+
+func caAfterwards(spec TalosOperationSpec) string {
 	talos, kubernetes := spec.CARotation.Rotates()
 	var out []string
 	if talos {
@@ -138,6 +145,27 @@ func Afterwards(spec TalosOperationSpec) string {
 		out = append(out, "a kubeconfig of the old Kubernetes CA (its client certificate, and its trust in the old CA) is refused by the API servers since the old CA was dropped: "+
 			"replace it with a new one from a control plane (`talosctl -n <control plane> kubeconfig --force`); "+
 			"ServiceAccount tokens keep working, and pods read the new CA from ConfigMap kube-root-ca.crt when they restart")
+	}
+	return strings.Join(out, "; ")
+}
+
+func keysAfterwards(spec TalosOperationSpec) string {
+	sa, secretbox := spec.KeyRotation.Rotates()
+	var out []string
+	if sa {
+		restarted := "the pods Ichor restarted have new ones; restart those it could not (bare pods and Jobs' pods, named in the restart stage)"
+		if !spec.KeyRotation.Restarts() {
+			restarted = "restart every pod that talks to the API (spec.keyRotation.restartWorkloads was false)"
+		}
+		out = append(out, "every ServiceAccount token signed with the old service-account key is refused since the swap: "+restarted+
+			"; legacy token Secrets were reissued, so copies of them kept outside the cluster must be read again; "+
+			"tokens made outside the cluster (`kubectl create token`, CI systems) must be made again")
+	}
+	if secretbox {
+		out = append(out, "every Secret is now encrypted with the new secretbox key, and the old key is gone from the cluster: "+
+			"an etcd snapshot taken before the rotation holds Secrets the API servers can no longer read, "+
+			"so take a new snapshot now (`talosctl -n <control plane> etcd snapshot db.snapshot`) and keep the old machine configuration "+
+			"only for as long as you may restore an older one")
 	}
 	return strings.Join(out, "; ")
 }

@@ -11,7 +11,6 @@ import (
 	"github.com/cosi-project/runtime/pkg/safe"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/kubectl/pkg/util/podutils"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	"github.com/siderolabs/talos/pkg/machinery/config"
@@ -363,15 +362,13 @@ func podReadyStep(component string, c staticPodComponent) Step {
 			return false, Outcome{Message: fmt.Sprintf("waiting for Talos to render %s %s (it renders %s)", component, version, tag), Recheck: time.Second}, nil
 		}
 		want := r.Metadata().Version().String()
-		// Live: the cached mirror pods have no index on spec.nodeName.
-		var pods corev1.PodList
-		if err := e.Live.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": component},
-			client.MatchingFields{"spec.nodeName": e.Machine.Name}); err != nil {
+		pods, err := mirrorPods(ctx, e, component)
+		if err != nil {
 			return false, Outcome{}, err
 		}
-		for i := range pods.Items {
-			p := &pods.Items[i]
-			if p.Spec.NodeName != e.Machine.Name || p.Annotations[constants.AnnotationStaticPodConfigVersion] != want {
+		for i := range pods {
+			p := &pods[i]
+			if p.Annotations[constants.AnnotationStaticPodConfigVersion] != want {
 				continue
 			}
 			if podutils.IsPodReady(p) {
