@@ -205,20 +205,30 @@ func apiServerAddress(ctx context.Context, e *Env, name string) (string, error) 
 	return net.JoinHostPort(addr, strconv.Itoa(port)), nil
 }
 
+// adminConfig is an admin REST config for the cluster's endpoint, issued
+// now by the first control plane (Talos's Kubeconfig): for the work of a
+// key rotation on every Secret of the cluster (legacy tokens reissued,
+// Secrets rewritten), which the controller's own role does not grant it
+// (it reads no Secret but its own), as talosctl would do it with the
+// cluster's admin credentials.
+func adminConfig(ctx context.Context, e *Env) (*rest.Config, error) {
+	if len(e.ControlPlanes) == 0 {
+		return nil, errors.New("no control plane to ask for a kubeconfig")
+	}
+	return talosKubeconfig(ctx, e.Talos, e.ControlPlanes[0])
+}
+
 // directConfig is an admin REST config for the kube-apiserver of the
 // control plane name at its own address, not through the cluster's
 // endpoint: a check that must hold on every API server asks each one. Its
 // credentials are those the first control plane issues now (Talos's
 // Kubeconfig), which hold whatever the controller's own have become.
 func directConfig(ctx context.Context, e *Env, name string) (*rest.Config, error) {
-	if len(e.ControlPlanes) == 0 {
-		return nil, errors.New("no control plane to ask for a kubeconfig")
-	}
 	address, err := apiServerAddress(ctx, e, name)
 	if err != nil {
 		return nil, err
 	}
-	rc, err := talosKubeconfig(ctx, e.Talos, e.ControlPlanes[0])
+	rc, err := adminConfig(ctx, e)
 	if err != nil {
 		return nil, err
 	}
