@@ -21,6 +21,8 @@ type Member struct {
 	Hostname string
 	Learner  bool
 	PeerIPs  []string
+	// ClientURLs are where the member serves etcd's clients.
+	ClientURLs []string
 }
 
 // EtcdMembers lists the etcd members as the control plane at node sees them.
@@ -38,7 +40,7 @@ func EtcdMembers(ctx context.Context, c *talosclient.Client, node string) ([]Mem
 func members(msg *machine.EtcdMembers) []Member {
 	var out []Member
 	for _, m := range msg.Members {
-		mem := Member{ID: m.Id, Hostname: m.Hostname, Learner: m.IsLearner}
+		mem := Member{ID: m.Id, Hostname: m.Hostname, Learner: m.IsLearner, ClientURLs: m.ClientUrls}
 		for _, u := range m.PeerUrls {
 			if pu, err := url.Parse(u); err == nil {
 				if host, _, err := net.SplitHostPort(pu.Host); err == nil {
