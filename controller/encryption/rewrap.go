@@ -57,7 +57,7 @@ func (r Result) String() string {
 // its business: the caller runs it again where that matters.
 func (w Rewrap) Run(ctx context.Context) (Result, error) {
 	var res Result
-	total, err := w.count(ctx)
+	total, err := Count(ctx, w.KV)
 	if err != nil {
 		return res, err
 	}
@@ -151,8 +151,9 @@ func Outside(ctx context.Context, kv clientv3.KV, k Key, limit int) (outside []s
 	return outside, total, err
 }
 
-func (w Rewrap) count(ctx context.Context) (int, error) {
-	resp, err := w.KV.Get(ctx, SecretsPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+// Count is how many Secrets etcd holds.
+func Count(ctx context.Context, kv clientv3.KV) (int, error) {
+	resp, err := kv.Get(ctx, SecretsPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil {
 		return 0, fmt.Errorf("count the Secrets in etcd: %w", err)
 	}

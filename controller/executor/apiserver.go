@@ -228,13 +228,19 @@ func directConfig(ctx context.Context, e *Env, name string) (*rest.Config, error
 	if err != nil {
 		return nil, err
 	}
-	rc, err := adminConfig(ctx, e)
+	admin, err := adminConfig(ctx, e)
 	if err != nil {
 		return nil, err
 	}
-	rc.Host = "https://" + address
-	rc.Timeout = 10 * time.Second
-	return rc, nil
+	return atAPIServer(admin, address), nil
+}
+
+// atAPIServer is rc for the API server at address (host:port) itself.
+func atAPIServer(rc *rest.Config, address string) *rest.Config {
+	out := rest.CopyConfig(rc)
+	out.Host = "https://" + address
+	out.Timeout = 10 * time.Second
+	return out
 }
 
 // directClient is a clientset of directConfig.

@@ -72,6 +72,9 @@ func (KeyRotation) Check(ctx context.Context, e *Env) []string {
 	if e.Node != nil && !machine.Ready(e.Node) {
 		return []string{fmt.Sprintf("%s is not Ready: every control plane takes the new keys and restarts its API server, so bring it back first", e.Machine.Name)}
 	}
+	if _, secretbox := e.Op.Spec.KeyRotation.Rotates(); secretbox {
+		return secretboxChecks(ctx, e)
+	}
 	return nil
 }
 
