@@ -111,10 +111,10 @@ func TestRewrap(t *testing.T) {
 // before the rewrap's compare-and-swap of it, once.
 type racing struct {
 	clientv3.KV
-	t      *testing.T
-	key    string
-	value  []byte // nil deletes
-	once   sync.Once
+	t     *testing.T
+	key   string
+	value []byte // nil deletes
+	once  sync.Once
 }
 
 func (r *racing) Txn(ctx context.Context) clientv3.Txn {

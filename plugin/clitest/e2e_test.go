@@ -19,6 +19,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 
 	"maesh.dev/ichor/controller/app"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -28,12 +29,19 @@ import (
 // namespace the plugin is pointed at.
 func withController(t *testing.T) (ns, ctrlNS string, fleet *sim.Fleet) {
 	t.Helper()
+	return withControllerOf(t, nil)
+}
+
+// withControllerOf is withController with a controller that carries out
+// the kinds of kinds (nil: every kind), as an older one would.
+func withControllerOf(t *testing.T, kinds executor.Registry) (ns, ctrlNS string, fleet *sim.Fleet) {
+	t.Helper()
 	// The operations earlier tests left (with made-up status) are not this controller's to run.
 	testcluster.DeleteOperations(env)
 	ns, ctrlNS = env.Namespace(t), env.Namespace(t)
 	fleet = testcluster.StartFleet(t, env, sim.Cluster("", 1, 2), ns)
 	testcluster.WriteTalosconfig(t, env, fleet, ctrlNS)
-	testcluster.StartController(t, rest.CopyConfig(env.Config), app.Options{Namespace: ctrlNS, LeaderElection: true,
+	testcluster.StartController(t, rest.CopyConfig(env.Config), app.Options{Namespace: ctrlNS, LeaderElection: true, Executors: kinds,
 		LeaseDuration: 2 * time.Second, RenewDeadline: 1500 * time.Millisecond, RetryPeriod: 200 * time.Millisecond})
 	return ns, ctrlNS, fleet
 }
@@ -93,7 +101,9 @@ func TestUpgradeWaitAgainstAFleet(t *testing.T) {
 // plugin's own refusal of a kind the controller does not carry out says
 // what the controller says when it refuses one itself.
 func TestCreateSaysTheVerdict(t *testing.T) {
-	ns, ctrlNS, _ := withController(t)
+	older := executor.Default()
+	delete(older, ichorv1.KindKeyRotation)
+	ns, ctrlNS, _ := withControllerOf(t, older)
 	testenv.Eventually(t, 30*time.Second, "the leader Lease to carry the kinds", func(ctx context.Context) (bool, error) {
 		lease := &coordinationv1.Lease{}
 		err := env.Client.Get(ctx, client.ObjectKey{Namespace: ctrlNS, Name: ichorv1.LeaderLeaseName}, lease)
@@ -112,7 +122,8 @@ func TestCreateSaysTheVerdict(t *testing.T) {
 		t.Errorf("an accepted create: exit %d\nstdout %q\nstderr %q", r.code, r.out, r.err)
 	}
 
-	// The controller's own words for a kind it does not carry out...
+	// The controller's own words for a kind it does not carry out (this
+	// one is older than the key-rotation kind)...
 	direct := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "direct"},
 		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindKeyRotation, KeyRotation: &ichorv1.KeyRotation{}}}
 	if err := env.Client.Create(context.Background(), direct); err != nil {

@@ -589,25 +589,72 @@ func caList(c *ichorv1.CARotation) string {
 }
 
 func newRotateKeysCmd(e *Env) *cobra.Command {
-	var sa, secretbox bool
+	var sa, secretbox, noRestart bool
 	o := &createOptions{generateName: "rotate-keys-", kind: ichorv1.KindKeyRotation}
 	o.build = func(s *ichorv1.TalosOperationSpec, _ []string) error {
 		a, b := which(sa, secretbox)
+		if noRestart && !*a {
+			return usageErrorf("--no-restart is about the workloads a service-account key rotation restarts: add --service-account, or drop --no-restart")
+		}
 		s.KeyRotation = &ichorv1.KeyRotation{ServiceAccount: a, Secretbox: b}
+		if noRestart {
+			s.KeyRotation.RestartWorkloads = boolPtr(false)
+		}
 		return nil
 	}
-	o.danger = func(*ichorv1.TalosOperationSpec) string {
-		return "This replaces the cluster's keys: service-account tokens signed by the old key stop working once it is retired."
+	o.danger = func(s *ichorv1.TalosOperationSpec) string {
+		var parts []string
+		sa, sb := s.KeyRotation.Rotates()
+		if sa {
+			parts = append(parts, "every ServiceAccount token signed by the old service-account key stops working at the swap")
+		}
+		if s.KeyRotation.Restarts() {
+			parts = append(parts, "the pods holding such tokens are restarted, machine by machine, within their PodDisruptionBudgets")
+		}
+		if sb {
+			parts = append(parts, "Secret writes are refused for the seconds the API servers take to switch secretbox keys")
+		}
+		msg := "This replaces the cluster's keys: " + strings.Join(parts, "; ") + "."
+		if after := ichorv1.Afterwards(*s); after != "" {
+			msg += " Afterwards, " + after + "."
+		}
+		return msg
 	}
 	cmd := &cobra.Command{
-		Use:     "keys [--service-account] [--secretbox]",
-		Short:   "Replace the service-account signing key, the secretbox key, or both",
-		Example: fmt.Sprintf("  %[1]s rotate keys --service-account", e.Name),
-		Args:    cobra.NoArgs,
+		Use:   "keys [--service-account] [--secretbox] [--no-restart]",
+		Short: "Replace the service-account signing key, the secretbox key, or both",
+		Long: `Replace the service-account signing key, the secretbox key of Secrets at rest,
+or both (neither flag: both; the service-account key first).
+
+The service-account key is a cut-over, as Talos holds one key: the new key on
+every control plane, one after the other, each API server restarted before the
+next. Every token signed by the old key stops working then, ichor-controller's
+own too (it goes on with an admin kubeconfig from the Talos API). The pods that
+hold such tokens are then restarted machine by machine through the Eviction API,
+one pod of a workload at a time, within their PodDisruptionBudgets (not with
+--no-restart), and legacy token Secrets are reissued. Create it paused
+(--paused) to read, in each machine's plan, which pods it would restart.
+
+The secretbox key is rotated without a moment in which a Secret cannot be read:
+every Secret crosses over on an aescbc key (the cluster's, or a new one) that
+the API servers read on both sides, re-encrypted in etcd itself; Secret writes
+are refused for the seconds the API servers take to switch secretbox keys, and
+the aescbc key is removed at the end. A cluster that encrypts with aescbc today
+moves to secretbox the same way.`,
+		Example: fmt.Sprintf(`  # Both keys, asking first
+  %[1]s rotate keys
+
+  # The service-account key, created paused to read what it would restart
+  %[1]s rotate keys --service-account --paused
+
+  # The secretbox key, and follow it
+  %[1]s rotate keys --secretbox --watch`, e.Name),
+		Args: cobra.NoArgs,
 	}
 	return newCreateCmd(e, o, cmd, func(c *cobra.Command) {
 		c.Flags().BoolVar(&sa, "service-account", false, "Rotate the service-account signing key (with neither flag: both)")
 		c.Flags().BoolVar(&secretbox, "secretbox", false, "Rotate the secretbox key of Secrets at rest (with neither flag: both)")
+		c.Flags().BoolVar(&noRestart, "no-restart", false, "Do not restart the pods whose tokens the old service-account key signed (restart them yourself)")
 	})
 }
 
