@@ -48,9 +48,10 @@ func apiServerPatchSteps(name string, of clusterChangeOf) []Step {
 	return []Step{recordAPIServerStep(of), clusterPatchStep(name, of), waitAPIServerStep()}
 }
 
-// recordAPIServerStep records, as the machine's From, the secrets version
-// (talos.dev/secrets-version) of its Ready kube-apiserver, so that the wait
-// after the change can tell the restarted one, whatever crashes when. A
+// recordAPIServerStep records, as the machine's From (and To, until the
+// change), the secrets version (talos.dev/secrets-version) of its Ready
+// kube-apiserver, so that the wait after the change can tell the restarted
+// one, whatever crashes when. A
 // machine that already carries the change needs nothing more. A check: it
 // follows the step before it in the same run.
 func recordAPIServerStep(of clusterChangeOf) Step {
@@ -77,7 +78,7 @@ func recordAPIServerStep(of clusterChangeOf) Step {
 		if !changed || ch.Applied() {
 			return Outcome{Done: true, Message: "already carries the change; its API server is Ready"}, nil
 		}
-		return Outcome{From: pod.Annotations[constants.AnnotationStaticPodSecretsVersion]}, nil
+		return Outcome{From: secretsVersion(pod), To: secretsVersion(pod)}, nil
 	}}
 }
 
@@ -142,7 +143,7 @@ func waitAPIServerStep() Step {
 		switch {
 		case pod == nil:
 			return false, Outcome{Message: "waiting for its kube-apiserver's mirror pod", Recheck: time.Second}, nil
-		case pod.Annotations[constants.AnnotationStaticPodSecretsVersion] == e.Machine.From:
+		case secretsVersion(pod) == e.Machine.From:
 			return false, Outcome{Message: "waiting for its kube-apiserver to restart on the new secrets", Recheck: time.Second}, nil
 		case !podutils.IsPodReady(pod):
 			return false, Outcome{Message: fmt.Sprintf("waiting for %s to be Ready", pod.Name), Recheck: time.Second}, nil
@@ -154,8 +155,15 @@ func waitAPIServerStep() Step {
 		if err := readyz(ctx, cs); err != nil {
 			return false, Outcome{Message: fmt.Sprintf("waiting for its kube-apiserver to answer at its own address: %v", err), Recheck: time.Second}, nil
 		}
-		return true, Outcome{Message: "its API server restarted on the new secrets and is Ready"}, nil
+		return true, Outcome{To: secretsVersion(pod), Message: "its API server restarted on the new secrets and is Ready"}, nil
 	}}
+}
+
+// secretsVersion names the secrets a kube-apiserver mirror pod runs (its
+// talos.dev/secrets-version), as the machine's From and To show it: the
+// version of the secrets before a change and after.
+func secretsVersion(pod *corev1.Pod) string {
+	return "secrets-" + pod.Annotations[constants.AnnotationStaticPodSecretsVersion]
 }
 
 // apiServerPod is the machine's kube-apiserver mirror pod, or nil.
