@@ -122,11 +122,11 @@ func secretboxSteps(stage string) []Step {
 	case StageBridgeRewrap:
 		return []Step{rewrapStep(func(s *secretboxState) encryption.Key { return s.bridge })}
 	case StageFreeze:
-		return []Step{freezeStep()}
+		return whileFrozen([]Step{freezeStep()})
 	case StageSecretboxSwitch:
-		return apiServerPatchSteps(StepSwitchSecretbox, secretboxChange(switchSecretbox))
+		return whileFrozen(apiServerPatchSteps(StepSwitchSecretbox, secretboxChange(switchSecretbox)))
 	case StageThaw:
-		return []Step{thawStep()}
+		return whileFrozen([]Step{thawStep()})
 	case StageSecretboxRewrap:
 		return []Step{rewrapStep(func(s *secretboxState) encryption.Key { return s.newSecretbox })}
 	case StageBridgeDrop:
@@ -308,12 +308,15 @@ func addBridge(_ context.Context, _ *Env, s *secretboxState) (clusterChange, err
 // switchSecretbox puts the new secretbox key in place, the bridge kept.
 // Only while Secret writes are refused, and with every Secret under the
 // bridge: an API server on the new key cannot read the old one's Secrets,
-// nor the old one the new one's.
+// nor the old one the new one's. The Secrets are re-encrypted under the
+// bridge again first: a write admitted just before the freeze may have
+// reached etcd after the freeze's own pass (a pass finds nothing to do
+// otherwise).
 func switchSecretbox(ctx context.Context, e *Env, s *secretboxState) (clusterChange, error) {
 	if err := frozen(ctx, e); err != nil {
 		return nil, err
 	}
-	if err := allUnder(ctx, e, s.bridge); err != nil {
+	if _, err := rewrap(ctx, e, s, s.bridge); err != nil {
 		return nil, err
 	}
 	return func(c *v1alpha1.ClusterConfig) bool {
@@ -452,6 +455,35 @@ func setFreeze(ctx context.Context, e *Env, on bool) error {
 		return fmt.Errorf("ConfigMap %s/%s, which refuses Secret writes while it exists: %w", e.Controller.Namespace, SecretWriteFreeze, err)
 	}
 	return nil
+}
+
+// whileFrozen says, in the failure of a step taken while Secret writes are
+// refused, that they stay refused and why: lifting the refusal while the
+// control planes hold different secretbox keys would let a Secret be
+// written that some API servers cannot read.
+func whileFrozen(steps []Step) []Step {
+	note := func(err error) error {
+		if err == nil {
+			return nil
+		}
+		return fmt.Errorf("%w; Secret writes stay refused until this rotation is retried and finishes "+
+			"(the control planes may hold different secretbox keys: do not delete ConfigMap %s by hand)", err, SecretWriteFreeze)
+	}
+	for i := range steps {
+		if run := steps[i].Run; run != nil {
+			steps[i].Run = func(ctx context.Context, e *Env) (Outcome, error) {
+				o, err := run(ctx, e)
+				return o, note(err)
+			}
+		}
+		if wait := steps[i].Wait; wait != nil {
+			steps[i].Wait = func(ctx context.Context, e *Env) (bool, Outcome, error) {
+				done, o, err := wait(ctx, e)
+				return done, o, note(err)
+			}
+		}
+	}
+	return steps
 }
 
 // frozen fails unless the freeze's ConfigMap is there.
