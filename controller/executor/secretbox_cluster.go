@@ -6,6 +6,7 @@ import (
 	stdx509 "crypto/x509"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -41,6 +42,8 @@ func etcdClient(ctx context.Context, e *Env) (*clientv3.Client, error) {
 	for _, m := range members {
 		urls = append(urls, m.ClientURLs...)
 	}
+	slices.Sort(urls)
+	urls = slices.Compact(urls)
 	if len(urls) == 0 {
 		return nil, fmt.Errorf("the etcd members %s lists advertise no client URL", first)
 	}
