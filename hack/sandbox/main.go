@@ -213,7 +213,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 	if o.demo.Script != "" {
 		if err := runDemo(ctx, sb, o.demo, stdout); err != nil {
-			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n(the sandbox's logs were in %s and %s; they are removed with it)\n", err, relative(sb.Path(dirPods)), relative(sb.Path(fileSim)))
+			fmt.Fprintf(stderr, "\nDEMO FAILED: %v\n", err)
+			demoFailed(stderr, sb)
 			return 1
 		}
 		fmt.Fprintln(stdout, "\nThe demo ran as described: every step was checked.")
@@ -225,6 +226,21 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	<-ctx.Done()
 	return 0
+}
+
+// demoFailed keeps the sandbox's logs, which Stop removes, and prints
+// where they are and the end of each: a failure in CI then says what each
+// part of the cluster did last.
+func demoFailed(stderr io.Writer, sb *Sandbox) {
+	kept, err := sb.KeepLogs()
+	if err != nil {
+		fmt.Fprintf(stderr, "(keeping the sandbox's logs in %s failed: %v)\n", kept, err)
+		return
+	}
+	fmt.Fprintf(stderr, "The sandbox's logs are kept in %s (the controller's under pods/, the machines' in %s, the control planes' under %s/); the end of each:\n", kept, fileSim, dirControlPlane)
+	if err := logTails(stderr, kept, tailLines); err != nil {
+		fmt.Fprintln(stderr, "(reading them back:", err, ")")
+	}
 }
 
 // printUsage says what runs where, then the walk-through.
