@@ -192,6 +192,12 @@ type MachineStatus struct {
 	Message string `json:"message,omitempty"`
 }
 
+// MachineMessageMax is the most a machine's message holds, in bytes: the
+// controller cuts a longer one (its Event keeps it whole), so that the
+// messages of 5,000 machines fit in one object. A step that lists things
+// (the pods a key rotation restarts) says what fits within it.
+const MachineMessageMax = 256
+
 // TalosOperationStatus is the operation's whole state machine: nothing lives
 // only in the controller's memory.
 type TalosOperationStatus struct {

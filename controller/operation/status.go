@@ -140,7 +140,7 @@ func phaseOf(op *ichorv1.TalosOperation, why string) (ichorv1.Phase, string, str
 // operation's last word, what to do to bring the cluster back, and no
 // Event can be read while the API is gone.
 const (
-	maxMessage     = 256
+	maxMessage     = ichorv1.MachineMessageMax
 	messagesBudget = 32 << 10
 )
 
