@@ -21,7 +21,9 @@ import (
 type drainReport struct {
 	ctx context.Context
 	e   *Env
-	mu  sync.Mutex
+	// doing names what the evictions are for: "draining", "restarting".
+	doing string
+	mu    sync.Mutex
 	// left are the pods being evicted or deleted that are not gone yet;
 	// held maps each one whose eviction a budget refused to that budget.
 	left map[string]bool
@@ -29,8 +31,8 @@ type drainReport struct {
 	last string
 }
 
-func newDrainReport(ctx context.Context, e *Env) *drainReport {
-	return &drainReport{ctx: ctx, e: e, left: map[string]bool{}, held: map[string]string{}}
+func newDrainReport(ctx context.Context, e *Env, doing string) *drainReport {
+	return &drainReport{ctx: ctx, e: e, doing: doing, left: map[string]bool{}, held: map[string]string{}}
 }
 
 func podKey(p *corev1.Pod) string { return p.Namespace + "/" + p.Name }
@@ -135,7 +137,7 @@ func (r *drainReport) message() string {
 	if len(r.left) == 0 {
 		return ""
 	}
-	msg := fmt.Sprintf("draining: %s left", pods(len(r.left)))
+	msg := fmt.Sprintf("%s: %s left", r.doing, pods(len(r.left)))
 	byBudget := map[string]int{}
 	for _, b := range r.held {
 		byBudget[b]++

@@ -147,7 +147,7 @@ const DefaultDrainTimeout = 5 * time.Minute
 func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (timedOut bool, err error) {
 	dctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	report := newDrainReport(ctx, e)
+	report := newDrainReport(ctx, e, "draining")
 	h := &drain.Helper{
 		Ctx:                 dctx,
 		Client:              e.Clientset,
