@@ -17,8 +17,10 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -49,13 +51,16 @@ func podTemplate(app string, readyAfter time.Duration) corev1.PodTemplateSpec {
 
 func (c *cluster) deployment(app string, replicas int32, readyAfter time.Duration) {
 	c.t.Helper()
-	d := &appsv1.Deployment{
-		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+	c.createObject(deploymentOf(c.ns, app, replicas, readyAfter))
+}
+
+func deploymentOf(ns, app string, replicas int32, readyAfter time.Duration) *appsv1.Deployment {
+	return &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: app},
 		Spec: appsv1.DeploymentSpec{
 			Replicas: &replicas, Selector: &metav1.LabelSelector{MatchLabels: labels(app)}, Template: podTemplate(app, readyAfter),
 		},
 	}
-	c.createObject(d)
 }
 
 func (c *cluster) statefulSet(app string, replicas int32, readyAfter time.Duration) {
@@ -72,18 +77,25 @@ func (c *cluster) statefulSet(app string, replicas int32, readyAfter time.Durati
 
 func (c *cluster) daemonSet(app string) {
 	c.t.Helper()
-	d := &appsv1.DaemonSet{
-		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+	c.createObject(daemonSetOf(c.ns, app))
+}
+
+func daemonSetOf(ns, app string) *appsv1.DaemonSet {
+	return &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: app},
 		Spec:       appsv1.DaemonSetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels(app)}, Template: podTemplate(app, 0)},
 	}
-	c.createObject(d)
 }
 
 // pdb guards app with minAvailable or (when min is negative) maxUnavailable -min.
 func (c *cluster) pdb(app string, min int) {
 	c.t.Helper()
+	c.createObject(pdbOf(c.ns, app, min))
+}
+
+func pdbOf(ns, app string, min int) *policyv1.PodDisruptionBudget {
 	p := &policyv1.PodDisruptionBudget{
-		ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: app},
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: app},
 		Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: labels(app)}},
 	}
 	if min >= 0 {
@@ -91,7 +103,7 @@ func (c *cluster) pdb(app string, min int) {
 	} else {
 		p.Spec.MaxUnavailable = ptr.To(intstr.FromInt(-min))
 	}
-	c.createObject(p)
+	return p
 }
 
 func (c *cluster) createObject(obj client.Object) {
@@ -103,9 +115,14 @@ func (c *cluster) createObject(obj client.Object) {
 
 func (c *cluster) pods(app string) []corev1.Pod {
 	c.t.Helper()
+	return podsOf(c.t, env.Client, c.ns, app)
+}
+
+func podsOf(t testing.TB, cl client.Client, ns, app string) []corev1.Pod {
+	t.Helper()
 	var pods corev1.PodList
-	if err := env.Client.List(context.Background(), &pods, client.InNamespace(c.ns), client.MatchingLabels(labels(app))); err != nil {
-		c.t.Fatal(err)
+	if err := cl.List(context.Background(), &pods, client.InNamespace(ns), client.MatchingLabels(labels(app))); err != nil {
+		t.Fatal(err)
 	}
 	return pods.Items
 }
@@ -126,9 +143,18 @@ func healthy(p *corev1.Pod) bool {
 // waitHealthy waits until app has n healthy pods.
 func (c *cluster) waitHealthy(app string, n int) {
 	c.t.Helper()
-	testenv.Eventually(c.t, time.Minute, fmt.Sprintf("%d healthy %s pods", n, app), func(context.Context) (bool, error) {
+	waitHealthy(c.t, env.Client, c.ns, app, n)
+}
+
+func waitHealthy(t testing.TB, cl client.Client, ns, app string, n int) {
+	t.Helper()
+	testenv.Eventually(t, time.Minute, fmt.Sprintf("%d healthy %s pods", n, app), func(ctx context.Context) (bool, error) {
+		var pods corev1.PodList
+		if err := cl.List(ctx, &pods, client.InNamespace(ns), client.MatchingLabels(labels(app))); err != nil {
+			return false, nil //nolint:nilerr // a hosted fleet's endpoint may be between API servers
+		}
 		ok := 0
-		for _, p := range c.pods(app) {
+		for _, p := range pods.Items {
 			if healthy(&p) {
 				ok++
 			}
@@ -143,70 +169,109 @@ func (c *cluster) setCordon(node string, on bool) {
 	c.patchNode(node, fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on))
 }
 
-// readiness follows the pods of the test's namespace from a watch and
-// keeps, per app, the fewest healthy pods seen since it started.
+// readiness follows the pods of the test's namespace and keeps, per app,
+// the fewest healthy pods seen since it started, and the pods made since.
 type readiness struct {
-	mu     sync.Mutex
-	pods   map[string]*corev1.Pod
-	fewest map[string]int
+	mu      sync.Mutex
+	pods    map[string]*corev1.Pod
+	fewest  map[string]int
+	started bool
+	// made are the names of each app's pods first seen since it started,
+	// that is not among those there then (initial).
+	made    map[string]map[string]bool
+	initial map[string]bool
 }
 
 func (c *cluster) followReadiness(apps ...string) *readiness {
 	c.t.Helper()
-	ctx := context.Background()
-	list, err := env.Kube.CoreV1().Pods(c.ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		c.t.Fatal(err)
+	return followReadiness(c.t, env.Kube, c.ns, apps...)
+}
+
+// followReadiness follows the pods of ns from an informer, which lists
+// again when its watch breaks (a hosted fleet's API servers restart): a
+// change within such a gap is not seen.
+func followReadiness(t testing.TB, kc kubernetes.Interface, ns string, apps ...string) *readiness {
+	t.Helper()
+	r := &readiness{pods: map[string]*corev1.Pod{}, fewest: map[string]int{}, made: map[string]map[string]bool{}}
+	for _, app := range apps {
+		r.fewest[app] = -1
+		r.made[app] = map[string]bool{}
 	}
-	w, err := env.Kube.CoreV1().Pods(c.ns).Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
-	if err != nil {
-		c.t.Fatal(err)
+	inf := informers.NewSharedInformerFactoryWithOptions(kc, 0, informers.WithNamespace(ns)).Core().V1().Pods().Informer()
+	if _, err := inf.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { r.seen(obj, false) },
+		UpdateFunc: func(_, obj any) { r.seen(obj, false) },
+		DeleteFunc: func(obj any) { r.seen(obj, true) },
+	}); err != nil {
+		t.Fatal(err)
 	}
-	r := &readiness{pods: map[string]*corev1.Pod{}, fewest: map[string]int{}}
-	for i := range list.Items {
-		p := &list.Items[i]
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) })
+	go inf.Run(stop)
+	if !toolscache.WaitForCacheSync(stop, inf.HasSynced) {
+		t.Fatal("the pods' informer never synced")
+	}
+	r.mu.Lock()
+	r.started = true
+	r.initial = map[string]bool{}
+	for name := range r.pods {
+		r.initial[name] = true
+	}
+	r.count()
+	r.mu.Unlock()
+	return r
+}
+
+// seen records a pod's change, and the fewest healthy pods once started.
+func (r *readiness) seen(obj any, gone bool) {
+	if d, ok := obj.(toolscache.DeletedFinalStateUnknown); ok {
+		obj, gone = d.Obj, true
+	}
+	p, ok := obj.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if gone {
+		delete(r.pods, p.Name)
+	} else {
 		r.pods[p.Name] = p
 	}
-	for _, app := range apps {
-		r.fewest[app] = 0
-		for _, p := range r.pods {
-			if p.Labels["app"] == app && healthy(p) {
-				r.fewest[app]++
-			}
+	if r.started {
+		if made := r.made[p.Labels["app"]]; made != nil && !r.initial[p.Name] {
+			made[p.Name] = true
+		}
+		r.count()
+	}
+}
+
+func (r *readiness) count() {
+	counts := map[string]int{}
+	for _, q := range r.pods {
+		if healthy(q) {
+			counts[q.Labels["app"]]++
 		}
 	}
-	go func() {
-		for ev := range w.ResultChan() {
-			p, ok := ev.Object.(*corev1.Pod)
-			if !ok {
-				continue
-			}
-			r.mu.Lock()
-			if ev.Type == watch.Deleted {
-				delete(r.pods, p.Name)
-			} else {
-				r.pods[p.Name] = p
-			}
-			counts := map[string]int{}
-			for _, q := range r.pods {
-				if healthy(q) {
-					counts[q.Labels["app"]]++
-				}
-			}
-			for app, n := range r.fewest {
-				r.fewest[app] = min(n, counts[app])
-			}
-			r.mu.Unlock()
+	for app, n := range r.fewest {
+		if n < 0 || counts[app] < n {
+			r.fewest[app] = counts[app]
 		}
-	}()
-	c.t.Cleanup(w.Stop)
-	return r
+	}
 }
 
 func (r *readiness) least(app string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.fewest[app]
+}
+
+// madeSince is how many pods of app were made since it started (a pod
+// made and gone within a gap of the watch is not counted).
+func (r *readiness) madeSince(app string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.made[app])
 }
 
 // watchMessages records every message the operation gave the machine.
