@@ -48,12 +48,16 @@ func (c *configs) get(m MachineSpec, endpoint string) (config.Provider, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config contract for %s: %w", m.Talos, err)
 	}
-	in, err := generate.NewInput(c.f.spec.Name, endpoint, m.Kubernetes,
+	opts := []generate.Option{
 		generate.WithSecretsBundle(c.f.secrets),
 		generate.WithVersionContract(contract),
 		generate.WithInstallImage(image),
 		generate.WithInstallDisk("/dev/vda"),
-	)
+	}
+	if c.f.hosting != nil {
+		opts = append(opts, generate.WithLocalAPIServerPort(c.f.hosting.port))
+	}
+	in, err := generate.NewInput(c.f.spec.Name, endpoint, m.Kubernetes, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("generate config input: %w", err)
 	}

@@ -208,6 +208,14 @@ func (e *etcdCluster) requireLeaderLocked() error {
 }
 
 func (e *etcdCluster) memberList() ([]*machine.EtcdMember, error) {
+	// A hosted fleet's members are one real etcd: each advertises where it
+	// serves clients, so that a client of the URLs Talos answers with
+	// reaches the data. Read before the model's lock, so that the two
+	// locks never nest here.
+	hosted := ""
+	if e.f.hosting != nil {
+		hosted = e.f.hosting.etcd.clientURL()
+	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err := e.requireLeaderLocked(); err != nil {
@@ -216,11 +224,15 @@ func (e *etcdCluster) memberList() ([]*machine.EtcdMember, error) {
 	out := make([]*machine.EtcdMember, 0, len(e.members))
 	for _, mem := range e.members {
 		addr := mem.machine.Address()
+		client := "https://" + addr + ":2379"
+		if hosted != "" {
+			client = hosted
+		}
 		out = append(out, &machine.EtcdMember{
 			Id:         mem.id,
 			Hostname:   mem.machine.Name(),
 			PeerUrls:   []string{"https://" + addr + ":2380"},
-			ClientUrls: []string{"https://" + addr + ":2379"},
+			ClientUrls: []string{client},
 		})
 	}
 	return out, nil

@@ -54,8 +54,11 @@ type hosting struct {
 	admin  *x509.PEMEncodedCertificateAndKey
 	ca     []byte // cluster.ca as the fleet started
 	etcd   *hostedEtcd
-	mu     sync.Mutex
-	kube   *kube // set once the fleet's Kubernetes side runs
+	// port is the cluster.controlPlane.localAPIServerPort the fleet's
+	// configurations start with: free on every control plane's address.
+	port int
+	mu   sync.Mutex
+	kube *kube // set once the fleet's Kubernetes side runs
 }
 
 func newHosting(f *Fleet) (*hosting, error) {
@@ -203,7 +206,7 @@ func (m *Machine) APIServer() APIServerStatus {
 // stopped while the machine is down.
 type apiServer struct {
 	m       *Machine
-	address string // the machine's address, a port of its own
+	address string // the machine's address and its configuration's localAPIServerPort
 
 	mu        sync.Mutex
 	proc      *controlplane.Process
@@ -215,15 +218,36 @@ type apiServer struct {
 	failed    error // why the last start failed
 }
 
-func newAPIServer(m *Machine) (*apiServer, error) {
-	// The port stays the machine's across restarts, as 6443 would.
-	l, err := net.Listen("tcp", net.JoinHostPort(m.addr, "0"))
-	if err != nil {
-		return nil, fmt.Errorf("%s: find a port for kube-apiserver: %w", m.Name(), err)
+func newAPIServer(m *Machine) *apiServer { return &apiServer{m: m} }
+
+// pickAPIPort finds a port free on the address of every control plane:
+// the cluster.controlPlane.localAPIServerPort of the fleet's
+// configurations, where each control plane's kube-apiserver listens on
+// its own address, as Talos's does on the machine's (the port is only
+// probed; on an address of the fleet's block only a wildcard listener can
+// take it meanwhile).
+func (f *Fleet) pickAPIPort() (int, error) {
+	for range 20 {
+		l, err := net.Listen("tcp", net.JoinHostPort(f.controlPlanes[0].addr, "0"))
+		if err != nil {
+			return 0, fmt.Errorf("find a port for kube-apiserver: %w", err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		free := true
+		for _, m := range f.controlPlanes[1:] {
+			o, err := net.Listen("tcp", net.JoinHostPort(m.addr, strconv.Itoa(port)))
+			if err != nil {
+				free = false
+				break
+			}
+			_ = o.Close()
+		}
+		_ = l.Close()
+		if free {
+			return port, nil
+		}
 	}
-	addr := l.Addr().String()
-	_ = l.Close()
-	return &apiServer{m: m, address: addr}, nil
+	return 0, errors.New("find a port for kube-apiserver free on every control plane's address: none in 20 tries")
 }
 
 // ensure starts the API server, or restarts it when the machine's
@@ -248,6 +272,8 @@ func (a *apiServer) ensure() {
 	began := time.Now()
 	restart := a.cancel != nil
 	a.stopLocked()
+	// It listens where its configuration says, as Talos's does.
+	a.address = net.JoinHostPort(a.m.addr, strconv.Itoa(in.port))
 	a.gen++
 	gen := a.gen
 	ctx, cancel := context.WithCancel(a.m.f.ctx)
@@ -255,7 +281,8 @@ func (a *apiServer) ensure() {
 	if restart {
 		a.m.f.logf("%s: kube-apiserver restarts: its configuration changed", a.m.Name())
 	}
-	a.m.f.wg.Go(func() { a.start(ctx, gen, in, began) })
+	address := a.address
+	a.m.f.wg.Go(func() { a.start(ctx, gen, in, address, began) })
 }
 
 // stop stops the API server (the machine goes down).
@@ -273,7 +300,9 @@ func (a *apiServer) stopLocked() {
 		a.cancel()
 		a.cancel = nil
 	}
-	a.m.f.hosting.lb.SetUp(a.address, false)
+	if a.address != "" {
+		a.m.f.hosting.lb.SetUp(a.address, false)
+	}
 	if a.proc != nil {
 		began := time.Now()
 		a.proc.StopWithin(a.m.f.stopGrace(true))
@@ -283,14 +312,14 @@ func (a *apiServer) stopLocked() {
 	a.inputs = ""
 }
 
-func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began time.Time) {
+func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, address string, began time.Time) {
 	m, h := a.m, a.m.f.hosting
 	dir := filepath.Join(h.dir, m.Name(), strconv.Itoa(gen))
 	// Its static pod restarts until etcd answers.
 	if h.etcd.wait(ctx) != nil {
 		return
 	}
-	args, err := in.render(dir, a.address, h.etcd.clientURL())
+	args, err := in.render(dir, address, h.etcd.clientURL())
 	if err != nil {
 		m.f.logf("%s: kube-apiserver: %v", m.Name(), err)
 		return
@@ -309,7 +338,7 @@ func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began
 		return
 	}
 	p, err := controlplane.StartAPIServer(ctx, controlplane.APIServer{
-		Assets: h.spec.Assets, Args: args, Address: a.address, Log: log,
+		Assets: h.spec.Assets, Args: args, Address: address, Log: log,
 		CA: in.ca, ClientCert: probe.Crt, ClientKey: probe.Key,
 	})
 	if err != nil {
@@ -331,10 +360,10 @@ func (a *apiServer) start(ctx context.Context, gen int, in apiServerInput, began
 	a.proc, a.failed = p, nil
 	a.starts++
 	a.lastStart = time.Since(began)
-	h.lb.SetUp(a.address, true)
+	h.lb.SetUp(address, true)
 	a.mu.Unlock()
 	_ = os.RemoveAll(filepath.Join(h.dir, m.Name(), strconv.Itoa(gen-1)))
-	m.f.logf("%s: kube-apiserver ready on %s in %s", m.Name(), a.address, a.lastStart.Round(time.Millisecond))
+	m.f.logf("%s: kube-apiserver ready on %s in %s", m.Name(), address, a.lastStart.Round(time.Millisecond))
 	// The mirror pods follow the new static pod, now that the API is there.
 	if k := h.kubeSide(); k != nil {
 		k.staticPods(m, true)
@@ -354,6 +383,7 @@ type apiServerInput struct {
 	secretbox, aescbc string
 	serviceCIDRs      []string
 	endpoint          string
+	port              int // cluster.controlPlane.localAPIServerPort
 }
 
 func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
@@ -372,6 +402,7 @@ func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
 		ca: ca.Crt, caKey: ca.Key, saKey: sa.Key,
 		secretbox: c.SecretboxEncryptionSecret(), aescbc: c.AESCBCEncryptionSecret(),
 		serviceCIDRs: c.Network().ServiceCIDRs(), endpoint: c.Endpoint().String(),
+		port: c.LocalAPIServerPort(),
 	}
 	for _, a := range c.AcceptedCAs() {
 		in.accepted = append(in.accepted, a.Crt)
@@ -379,7 +410,7 @@ func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
 	in.accepted = append(in.accepted, ca.Crt)
 	sum := sha256.New()
 	for _, part := range append([][]byte{in.ca, in.caKey, in.saKey, []byte(in.secretbox), []byte(in.aescbc),
-		[]byte(strings.Join(in.serviceCIDRs, ",")), []byte(in.endpoint)}, in.accepted...) {
+		[]byte(strings.Join(in.serviceCIDRs, ",")), []byte(in.endpoint), []byte(strconv.Itoa(in.port))}, in.accepted...) {
 		sum.Write([]byte(strconv.Itoa(len(part)) + ":"))
 		sum.Write(part)
 	}
@@ -534,10 +565,11 @@ func (f *Fleet) startHosting(kc kubernetes.Interface) error {
 		return err
 	}
 	f.hosting = h
+	if h.port, err = f.pickAPIPort(); err != nil {
+		return err
+	}
 	for _, m := range f.controlPlanes {
-		if m.apiServer, err = newAPIServer(m); err != nil {
-			return err
-		}
+		m.apiServer = newAPIServer(m)
 	}
 	if err := f.startComponents(h.spec.Components); err != nil {
 		return err
