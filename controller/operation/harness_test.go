@@ -339,11 +339,31 @@ func keyOf(ns, name string) client.ObjectKey { return client.ObjectKey{Namespace
 // tried again (a hosted fleet's endpoint may be between API servers).
 func killInEachStage(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
 	t.Helper()
+	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, _ operation.StepRun) string { return op.Status.Stage }, start)
+}
+
+// killAtEachStep is killInEachStage at every step boundary: each
+// controller is killed right after a step (of a stage) that no controller
+// was killed after yet has run, before its result is recorded. It returns
+// the steps killed after, as stage/step.
+func killAtEachStep(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
+	t.Helper()
+	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, s operation.StepRun) string {
+		return op.Status.Stage + "/" + s.Step
+	}, start)
+}
+
+// killAtEach runs controllers until the operation at key succeeds, each
+// killed right after a step run at a boundary (as boundary names it) no
+// controller was killed at yet.
+func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration,
+	boundary func(op *ichorv1.TalosOperation, s operation.StepRun) string, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
+	t.Helper()
 	var mu sync.Mutex
 	killedAt := map[string]bool{}
 	for n := 0; ; n++ {
 		if n >= most {
-			t.Fatalf("%s still not done after %d controllers (killed in %v)", key.Name, most, killedAt)
+			t.Fatalf("%s still not done after %d controllers (killed at %v)", key.Name, most, killedAt)
 		}
 		var killable atomic.Pointer[testcluster.Controller]
 		gone := make(chan struct{})
@@ -354,10 +374,10 @@ func killInEachStage(t *testing.T, c client.Reader, key client.ObjectKey, most i
 				return
 			}
 			op := &ichorv1.TalosOperation{}
-			if err := c.Get(context.Background(), key, op); err != nil || killedAt[op.Status.Stage] {
+			if err := c.Get(context.Background(), key, op); err != nil || killedAt[boundary(op, s)] {
 				return
 			}
-			killedAt[op.Status.Stage] = true
+			killedAt[boundary(op, s)] = true
 			killable.Load().Kill()
 			close(gone)
 		}
