@@ -242,6 +242,7 @@ func Default() Registry {
 		ichorv1.KindConfig:      NewConfigRollout(),
 		ichorv1.KindNode:        NodeAction{},
 		ichorv1.KindCARotation:  CARotation{},
+		ichorv1.KindKeyRotation: NewKeyRotation(),
 		ichorv1.KindShutdown:    ClusterShutdown{},
 		ichorv1.KindEtcdRestore: EtcdRestore{},
 	}
