@@ -384,6 +384,7 @@ type apiServerInput struct {
 	serviceCIDRs      []string
 	endpoint          string
 	port              int // cluster.controlPlane.localAPIServerPort
+	etcdCA            *x509.PEMEncodedCertificateAndKey
 }
 
 func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
@@ -402,7 +403,10 @@ func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
 		ca: ca.Crt, caKey: ca.Key, saKey: sa.Key,
 		secretbox: c.SecretboxEncryptionSecret(), aescbc: c.AESCBCEncryptionSecret(),
 		serviceCIDRs: c.Network().ServiceCIDRs(), endpoint: c.Endpoint().String(),
-		port: c.LocalAPIServerPort(),
+		port: c.LocalAPIServerPort(), etcdCA: c.Etcd().CA(),
+	}
+	if in.etcdCA == nil || len(in.etcdCA.Key) == 0 {
+		return apiServerInput{}, errors.New("cluster.etcd.ca has no key: a control plane issues kube-apiserver's etcd client certificate with it")
 	}
 	for _, a := range c.AcceptedCAs() {
 		in.accepted = append(in.accepted, a.Crt)
@@ -410,7 +414,7 @@ func apiServerInputs(cfg config.Provider) (apiServerInput, error) {
 	in.accepted = append(in.accepted, ca.Crt)
 	sum := sha256.New()
 	for _, part := range append([][]byte{in.ca, in.caKey, in.saKey, []byte(in.secretbox), []byte(in.aescbc),
-		[]byte(strings.Join(in.serviceCIDRs, ",")), []byte(in.endpoint), []byte(strconv.Itoa(in.port))}, in.accepted...) {
+		[]byte(strings.Join(in.serviceCIDRs, ",")), []byte(in.endpoint), []byte(strconv.Itoa(in.port)), in.etcdCA.Crt}, in.accepted...) {
 		sum.Write([]byte(strconv.Itoa(len(part)) + ":"))
 		sum.Write(part)
 	}
@@ -426,6 +430,9 @@ func apiServerFlags(dir string) map[string][]string {
 		"encryption-provider-config":       {filepath.Join(dir, "encryptionconfig.yaml")},
 		"service-account-key-file":         {filepath.Join(dir, "service-account.pub")},
 		"service-account-signing-key-file": {filepath.Join(dir, "service-account.key")},
+		"etcd-cafile":                      {filepath.Join(dir, "etcd-client-ca.crt")},
+		"etcd-certfile":                    {filepath.Join(dir, "etcd-client.crt")},
+		"etcd-keyfile":                     {filepath.Join(dir, "etcd-client.key")},
 		"tls-cert-file":                    {filepath.Join(dir, "apiserver.crt")},
 		"tls-private-key-file":             {filepath.Join(dir, "apiserver.key")},
 	}
@@ -450,7 +457,15 @@ func (in apiServerInput) render(dir, address, etcd string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Talos's secrets controller issues it from cluster.etcd.ca, named so.
+	etcdClient, err := etcdClientCert(in.etcdCA, "kube-apiserver")
+	if err != nil {
+		return nil, err
+	}
 	files := map[string][]byte{
+		"etcd-client-ca.crt":    in.etcdCA.Crt,
+		"etcd-client.crt":       etcdClient.Crt,
+		"etcd-client.key":       etcdClient.Key,
 		"ca.crt":                bytesJoin(in.accepted),
 		"apiserver.crt":         serving.Crt,
 		"apiserver.key":         serving.Key,

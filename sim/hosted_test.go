@@ -5,10 +5,8 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
-	"encoding/json"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"strings"
 	"testing"
@@ -19,6 +17,8 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/client"
 	"github.com/siderolabs/talos/pkg/machinery/config/generate/secrets"
 	"github.com/siderolabs/talos/pkg/machinery/config/types/v1alpha1"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -174,25 +174,36 @@ func TestHostedServiceAccountKey(t *testing.T) {
 	}
 }
 
-// rawEtcd reads a key from the fleet's etcd itself (its JSON gateway),
-// bypassing the API servers: what is stored, encrypted or not.
+// rawEtcd reads a key from the fleet's etcd itself, bypassing the API
+// servers: what is stored, encrypted or not.
 func rawEtcd(t *testing.T, f *sim.Fleet, key string) []byte {
 	t.Helper()
-	body, _ := json.Marshal(map[string]string{"key": base64.StdEncoding.EncodeToString([]byte(key))})
-	resp, err := http.Post(f.HostedEtcd().ClientURL+"/v3/kv/range", "application/json", bytes.NewReader(body))
+	ctx, cancel := timeout()
+	defer cancel()
+	got, err := etcdClient(t, f).Get(ctx, key)
+	if err != nil || len(got.Kvs) != 1 {
+		t.Fatalf("etcd range %s: %v, %v", key, got, err)
+	}
+	return got.Kvs[0].Value
+}
+
+// etcdClient is a client of the fleet's etcd at urls (where it serves, when
+// none), with a client certificate of the etcd CA, as etcd requires.
+func etcdClient(t *testing.T, f *sim.Fleet, urls ...string) *clientv3.Client {
+	t.Helper()
+	if len(urls) == 0 {
+		urls = []string{f.HostedEtcd().ClientURL}
+	}
+	tc, err := f.EtcdClientTLS()
 	if err != nil {
-		t.Fatalf("etcd range %s: %v", key, err)
+		t.Fatal(err)
 	}
-	defer resp.Body.Close()
-	var out struct {
-		Kvs []struct {
-			Value []byte `json:"value"`
-		} `json:"kvs"`
+	cli, err := clientv3.New(clientv3.Config{Endpoints: urls, TLS: tc, DialTimeout: 10 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || len(out.Kvs) != 1 {
-		t.Fatalf("etcd range %s: %d values, %v", key, len(out.Kvs), err)
-	}
-	return out.Kvs[0].Value
+	t.Cleanup(func() { _ = cli.Close() })
+	return cli
 }
 
 func encryptionKey(t *testing.T) string {
@@ -287,7 +298,7 @@ func TestHostedEtcdMovesOffATakenPort(t *testing.T) {
 	shutdownForce(t, c, cps[1])
 	testenv.Eventually(t, 30*time.Second, "etcd stopped", func(context.Context) (bool, error) { return !f.HostedEtcd().Serving, nil })
 	old := f.HostedEtcd().ClientURL
-	taken, err := net.Listen("tcp", strings.TrimPrefix(old, "http://"))
+	taken, err := net.Listen("tcp", strings.TrimPrefix(old, "https://"))
 	if err != nil {
 		t.Fatalf("take etcd's port: %v", err)
 	}
@@ -340,7 +351,7 @@ func TestHostedAPIGoesWithTheControlPlanes(t *testing.T) {
 	if etcd.Serving {
 		t.Fatal("etcd serves with every control plane off")
 	}
-	if conn, err := net.DialTimeout("tcp", strings.TrimPrefix(etcd.ClientURL, "http://"), time.Second); err == nil {
+	if conn, err := net.DialTimeout("tcp", strings.TrimPrefix(etcd.ClientURL, "https://"), time.Second); err == nil {
 		conn.Close()
 		t.Fatalf("etcd still listens on %s with every control plane off", etcd.ClientURL)
 	}

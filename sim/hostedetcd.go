@@ -3,6 +3,7 @@ package sim
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -41,9 +42,10 @@ type hostedEtcd struct {
 	name       string // the member's name
 	host       string // its loopback address, of the fleet's block
 	mu         sync.Mutex
-	client     string // client URL, http on host
-	peer       string // peer URL
-	gen        int    // of the data: each Bootstrap makes a new cluster
+	client     string      // client URL, https on host
+	clientTLS  *tls.Config // the sim's own client's: a certificate of the etcd CA
+	peer       string      // peer URL
+	gen        int         // of the data: each Bootstrap makes a new cluster
 	proc       *controlplane.Process
 	cancel     context.CancelFunc // of the start in flight
 	serving    chan struct{}      // closed while proc serves
@@ -61,7 +63,34 @@ func newHostedEtcd(f *Fleet, assets, dir string) (*hostedEtcd, error) {
 	if err := e.pickPorts(); err != nil {
 		return nil, err
 	}
-	return e, os.MkdirAll(e.dir, 0o700)
+	if err := os.MkdirAll(e.dir, 0o700); err != nil {
+		return nil, err
+	}
+	return e, e.writeTLS()
+}
+
+// TLS files etcd serves its clients with, in its directory.
+const (
+	etcdCAFile   = "ca.crt"
+	etcdCertFile = "server.crt"
+	etcdKeyFile  = "server.key"
+)
+
+// writeTLS writes etcd's serving certificate and the CA it trusts clients
+// of, and makes the sim's own client's TLS.
+func (e *hostedEtcd) writeTLS() error {
+	ca := e.f.secrets.Certs.Etcd
+	crt, err := etcdServerCert(ca, e.host)
+	if err != nil {
+		return err
+	}
+	for name, data := range map[string][]byte{etcdCAFile: ca.Crt, etcdCertFile: crt.Crt, etcdKeyFile: crt.Key} {
+		if err := os.WriteFile(filepath.Join(e.dir, name), data, 0o600); err != nil {
+			return err
+		}
+	}
+	e.clientTLS, err = etcdClientTLS(ca, "sim")
+	return err
 }
 
 // pickPorts gives etcd two free ports on its own address. Another process
@@ -78,7 +107,7 @@ func (e *hostedEtcd) pickPorts() error {
 		defer l.Close()
 		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
 	}
-	e.client = "http://" + net.JoinHostPort(e.host, strconv.Itoa(ports[0]))
+	e.client = "https://" + net.JoinHostPort(e.host, strconv.Itoa(ports[0]))
 	e.peer = "http://" + net.JoinHostPort(e.host, strconv.Itoa(ports[1]))
 	return nil
 }
@@ -113,6 +142,9 @@ func (e *hostedEtcd) args(dir string) []string {
 		"--listen-client-urls=" + e.client, "--advertise-client-urls=" + e.client,
 		"--listen-peer-urls=" + e.peer, "--initial-advertise-peer-urls=" + e.peer,
 		"--watch-progress-notify-interval=5s", "--log-level=warn",
+		// Clients present a certificate of the etcd CA, as Talos's etcd requires.
+		"--client-cert-auth=true", "--trusted-ca-file=" + filepath.Join(e.dir, etcdCAFile),
+		"--cert-file=" + filepath.Join(e.dir, etcdCertFile), "--key-file=" + filepath.Join(e.dir, etcdKeyFile),
 	}
 	if empty, _ := isDirEmpty(dir); empty {
 		args = append(args, "--initial-cluster="+e.name+"="+e.peer, "--initial-cluster-state=new")
@@ -185,7 +217,7 @@ func (e *hostedEtcd) startOnce(ctx context.Context, dir string) (*controlplane.P
 	e.mu.Lock()
 	args, client := e.args(dir), e.client
 	e.mu.Unlock()
-	p, err := controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: client, Log: log})
+	p, err := controlplane.StartEtcd(ctx, controlplane.Etcd{Assets: e.assets, Args: args, ClientURL: client, ClientTLS: e.clientTLS, Log: log})
 	if err != nil && bytes.Contains(logSince(e.logPath(), from), []byte("address already in use")) {
 		return nil, fmt.Errorf("%w: %w", errPortTaken, err)
 	}
@@ -315,7 +347,7 @@ func (f *Fleet) apiStores() bool { return f.hosting == nil || f.HostedEtcd().Ser
 // snapshot streams a snapshot of etcd to srv in chunks, as Talos's
 // EtcdSnapshot does through etcd's maintenance Snapshot.
 func (e *hostedEtcd) snapshot(ctx context.Context, srv grpc.ServerStreamingServer[common.Data]) error {
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.clientURL()}, DialTimeout: 5 * time.Second, Context: ctx, Logger: zap.NewNop()})
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.clientURL()}, TLS: e.clientTLS, DialTimeout: 5 * time.Second, Context: ctx, Logger: zap.NewNop()})
 	if err != nil {
 		return fmt.Errorf("failed to create etcd client: %w", err)
 	}

@@ -375,10 +375,15 @@ func applyCluster(t *testing.T, f *sim.Fleet, change func(*v1alpha1.ClusterConfi
 	}
 }
 
-// etcdOf is a client of the fleet's etcd itself.
+// etcdOf is a client of the fleet's etcd itself, with a client
+// certificate of the etcd CA.
 func etcdOf(t *testing.T, f *sim.Fleet) *clientv3.Client {
 	t.Helper()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{f.HostedEtcd().ClientURL}, DialTimeout: 10 * time.Second, Logger: zap.NewNop()})
+	tc, err := f.EtcdClientTLS()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{f.HostedEtcd().ClientURL}, TLS: tc, DialTimeout: 10 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package controlplane
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net/http"
@@ -17,9 +18,11 @@ type Etcd struct {
 	Assets string
 	// Args are the flags.
 	Args []string
-	// ClientURL is the http URL it serves clients on, for the readiness
-	// probe.
+	// ClientURL is the URL it serves clients on, for the readiness probe.
 	ClientURL string
+	// ClientTLS, for an https ClientURL, is the probe's TLS: the etcd CA
+	// trusted, a client certificate it issued presented.
+	ClientTLS *tls.Config
 	// Log receives its output; nil discards it.
 	Log io.Writer
 }
@@ -35,7 +38,8 @@ func StartEtcd(ctx context.Context, e Etcd) (*Process, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := p.waitHealthy(ctx, &http.Client{Timeout: 2 * time.Second}, e.ClientURL+"/readyz"); err != nil {
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: e.ClientTLS}}
+	if err := p.waitHealthy(ctx, hc, e.ClientURL+"/readyz"); err != nil {
 		p.Stop()
 		return nil, err
 	}
