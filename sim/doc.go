@@ -228,8 +228,11 @@
 // status.podIP; resourceFieldRef), ConfigMap and Secret keys; and
 // KUBECONFIG, a kubeconfig for Spec.APIServer whose token the TokenRequest
 // API issued for the pod's ServiceAccount, bound to the pod (one hour, not
-// renewed), so the process has the pod's own RBAC; Kubelet.Env comes
-// before all of these, as a container runtime's own variables do. All
+// renewed), so the process has the pod's own RBAC; and TMPDIR, the
+// container's /tmp: the pod's emptyDir volume mounted there (kept across
+// the container's restarts), or else a directory of the container's own,
+// never the machine's /tmp. Kubelet.Env comes before all of these, as a
+// container runtime's own variables do. All
 // processes share the host's network (a real pod has its own), so two
 // pods on one machine that listen on one port collide. Its exit code is the
 // container's (128+signal when killed; 128 "StartError" when it cannot

@@ -37,9 +37,9 @@ type process struct {
 
 // spawn starts the container's binary as a process with the container's
 // command, args and environment (downward API, ConfigMap and Secret
-// references resolved), and KUBECONFIG pointing at a kubeconfig for the
+// references resolved), KUBECONFIG pointing at a kubeconfig for the
 // pod's ServiceAccount with a token from the TokenRequest API, bound to the
-// pod. exited is called with the exit code (128+signal when killed) and,
+// pod, and TMPDIR at the container's own /tmp (tmpDir). exited is called with the exit code (128+signal when killed) and,
 // for terminationMessagePolicy FallbackToLogsOnError, the end of its output.
 func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*process, error) {
 	ctx, cancel := r.kl.k.ctx()
@@ -60,6 +60,10 @@ func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*
 	if err != nil {
 		return nil, err
 	}
+	tmp, err := tmpDir(r.pod, c.spec, dir)
+	if err != nil {
+		return nil, err
+	}
 	logPath := filepath.Join(dir, c.spec.Name+".log")
 	out, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
@@ -67,7 +71,7 @@ func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Dir = dir
-	cmd.Env = append(append([]string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOSTNAME=" + r.pod.Name, "HOME=" + dir, "KUBECONFIG=" + kubeconfig},
+	cmd.Env = append(append([]string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOSTNAME=" + r.pod.Name, "HOME=" + dir, "TMPDIR=" + tmp, "KUBECONFIG=" + kubeconfig},
 		r.kl.runtimeEnv()...), env...)
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -95,6 +99,42 @@ func (r *podRun) spawn(c *ctr, bin string, exited func(code int, msg string)) (*
 		exited(code, msg)
 	}()
 	return p, nil
+}
+
+// tmpDir is the container's /tmp, which its process finds in TMPDIR (as
+// os.TempDir does), under the pod's directory dir: the emptyDir volume the
+// container mounts at /tmp, which outlives the container's restarts as a
+// kubelet keeps an emptyDir for the pod's life, or else a directory of the
+// container's own, empty at each start as a new container's writable layer
+// is. Never the machine's /tmp, which every process on it shares: no
+// container sees another's /tmp, and ichor-controller keeps there what an
+// etcd restore resumes from when its container restarts (another
+// controller that found it there would resume that restore too).
+func tmpDir(pod *corev1.Pod, c corev1.Container, dir string) (string, error) {
+	if name := tmpVolume(pod, c); name != "" {
+		d := filepath.Join(dir, "volumes", name)
+		return d, os.MkdirAll(d, 0o700)
+	}
+	d := filepath.Join(dir, "tmp", c.Name)
+	if err := os.RemoveAll(d); err != nil {
+		return "", err
+	}
+	return d, os.MkdirAll(d, 0o700)
+}
+
+// tmpVolume names the emptyDir volume the container mounts at /tmp, or "".
+func tmpVolume(pod *corev1.Pod, c corev1.Container) string {
+	for _, vm := range c.VolumeMounts {
+		if filepath.Clean(vm.MountPath) != "/tmp" {
+			continue
+		}
+		for _, v := range pod.Spec.Volumes {
+			if v.Name == vm.Name && v.EmptyDir != nil {
+				return v.Name
+			}
+		}
+	}
+	return ""
 }
 
 // runtimeEnv is Kubelet.Env as NAME=value, sorted.

@@ -3,6 +3,8 @@ package sim_test
 import (
 	"context"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -316,6 +318,54 @@ func TestPodsRunBinaries(t *testing.T) {
 	}
 	if _, err := env.Kube.CoreV1().ConfigMaps(ns).Get(ctx, "never", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 		t.Errorf("the container ran after its init container failed: %v", err)
+	}
+}
+
+// TestPodsHaveTheirOwnTmp: a process's /tmp (TMPDIR) is its pod's, never
+// the machine's. An emptyDir mounted at /tmp keeps what the container wrote
+// there across its restart, and a second pod on the machine does not see
+// it: with the machine's /tmp shared, another process's ichor-controller
+// found a sandbox controller's etcd restore hand-over there and ran that
+// restore's steps again. A container without such a volume gets a
+// directory of its own.
+func TestPodsHaveTheirOwnTmp(t *testing.T) {
+	spec := fleetSpec(t, 1, 1)
+	spec.APIServer = env.Config
+	spec.Kubelet.Binaries = map[string]string{"example.com/sh:*": "/bin/sh"}
+	spec.Kubelet.Dir = t.TempDir()
+	f := start(t, spec)
+	w := f.Machines()[1]
+	ns := namespace(t)
+	mark := "mark-" + ns
+	t.Cleanup(func() { _ = os.Remove(filepath.Join(os.TempDir(), mark)) }) // where a shared /tmp has it
+	shPod := func(name, script string) *corev1.Pod {
+		p := plainPod(ns, name, w.Name())
+		p.Spec.ServiceAccountName = "default"
+		p.Spec.Containers = []corev1.Container{{Name: "main", Image: "example.com/sh:1", Command: []string{"/bin/sh", "-c", script},
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError}}
+		return p
+	}
+	// The first run leaves the mark and fails; the restart finds it and
+	// succeeds. A container that finds it at once found another's. /tmp is
+	// where a process without TMPDIR looks, as os.TempDir does.
+	for _, name := range []string{"first", "second"} {
+		p := shPod(name, `d="${TMPDIR:-/tmp}"; test -f "$d/`+mark+`" && exit 0; touch "$d/`+mark+`"; exit 1`)
+		p.Spec.RestartPolicy = corev1.RestartPolicyOnFailure
+		p.Spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "tmp", MountPath: "/tmp"}}
+		p.Spec.Volumes = []corev1.Volume{{Name: "tmp", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}}
+		createPod(t, p)
+		got := waitPod(t, ns, name, "Succeeded", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodSucceeded })
+		if n := got.Status.ContainerStatuses[0].RestartCount; n != 1 {
+			t.Errorf("pod %s succeeded after %d restarts, want 1: it should find the mark it left in its emptyDir, and only that", name, n)
+		}
+	}
+
+	p := shPod("no-volume", `echo "${TMPDIR:-/tmp}"; exit 1`)
+	p.Spec.RestartPolicy = corev1.RestartPolicyNever
+	createPod(t, p)
+	got := waitPod(t, ns, "no-volume", "Failed", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodFailed })
+	if s := got.Status.ContainerStatuses[0].State.Terminated; s == nil || !strings.HasPrefix(s.Message, spec.Kubelet.Dir+string(filepath.Separator)) {
+		t.Errorf("a container without a volume at /tmp has TMPDIR %+v, want a directory of its own under Kubelet.Dir %s", s, spec.Kubelet.Dir)
 	}
 }
 

@@ -90,8 +90,8 @@ type Kubelet struct {
 	// listen addresses here (a free port, 127.0.0.1:0) so that two pods of
 	// one Deployment on one machine do not both bind the same port.
 	Env map[string]string
-	// Dir holds the files of those processes (kubeconfig, token, output);
-	// empty means a temporary directory that Stop removes.
+	// Dir holds the files of those processes (kubeconfig, token, output,
+	// their /tmp); empty means a temporary directory that Stop removes.
 	Dir string
 }
 
