@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/siderolabs/talos/pkg/machinery/config"
@@ -260,7 +261,29 @@ func directClient(ctx context.Context, e *Env, name string) (kubernetes.Interfac
 	return kubernetes.NewForConfig(rc)
 }
 
-// readyz asks the API server whether it is ready.
+// readyz asks the API server whether it is ready; not ready, it names the
+// checks that fail (/readyz's "[-]name failed" lines), not the whole list.
 func readyz(ctx context.Context, cs kubernetes.Interface) error {
-	return cs.Discovery().RESTClient().Get().AbsPath("/readyz").Do(ctx).Error()
+	body, err := cs.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
+	if err == nil {
+		return nil
+	}
+	failed := failingChecks(string(body))
+	if len(failed) == 0 {
+		return err
+	}
+	return fmt.Errorf("not ready yet (failing: %s)", strings.Join(failed, ", "))
+}
+
+// failingChecks are the names of the checks a /readyz answer says fail.
+func failingChecks(body string) []string {
+	var out []string
+	for _, line := range strings.Split(body, "\n") {
+		if rest, ok := strings.CutPrefix(line, "[-]"); ok {
+			if f := strings.Fields(rest); len(f) > 0 {
+				out = append(out, f[0])
+			}
+		}
+	}
+	return out
 }
