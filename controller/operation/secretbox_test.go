@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -49,11 +50,21 @@ func TestSecretboxKeyRotation(t *testing.T) {
 	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 0), testenv.Components{})
 	const ns = "default"
 	testcluster.WriteTalosconfig(t, henv, fleet, ns)
+	ctl := testcluster.StartController(t, henv.Config, app.Options{Namespace: ns})
+
+	// Without the freeze's policy, preflight refuses, and says how to fix it.
+	refused := createKeyRotation(t, henv.Client, ns, "no-freeze")
+	testenv.Eventually(t, 2*time.Minute, "the rotation refused", func(ctx context.Context) (bool, error) {
+		err := henv.Client.Get(ctx, ctrlclient.ObjectKeyFromObject(refused), refused)
+		return err == nil && refused.Refused(), nil //nolint:nilerr // the endpoint may be between API servers
+	})
+	if !conditionSays(refused, "ValidatingAdmissionPolicyBinding "+executor.SecretWriteFreeze, "kubectl apply -k manifests") {
+		t.Errorf("the refusal does not say that the freeze's policy is missing and how to install it: %+v", refused.Status.Conditions)
+	}
+
 	installSecretFreeze(t, henv, ns)
 	stable := seedSecrets(t, henv.Kube, 30)
-
 	tr := startTraffic(t, fleet, henv.Kube, stable)
-	ctl := testcluster.StartController(t, henv.Config, app.Options{Namespace: ns})
 	op := createKeyRotation(t, henv.Client, ns, "rotate")
 	waitOp(t, henv.Client, op, 6*time.Minute)
 	ctl.Stop()
@@ -82,6 +93,17 @@ func TestSecretboxKeyRotation(t *testing.T) {
 	}
 	tr.check(t, henv.Kube)
 	checkSecretboxRotated(t, fleet, henv, ns, stable)
+}
+
+// conditionSays reports whether one of op's conditions says every one of
+// words.
+func conditionSays(op *ichorv1.TalosOperation, words ...string) bool {
+	for _, c := range op.Status.Conditions {
+		if !slices.ContainsFunc(words, func(w string) bool { return !strings.Contains(c.Message, w) }) {
+			return true
+		}
+	}
+	return false
 }
 
 func killedIn(killedAt map[string]bool, stage string) bool {
