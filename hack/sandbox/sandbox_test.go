@@ -109,12 +109,6 @@ func TestDemo(t *testing.T) {
 // cordoned); after power-on the operation records every machine back and
 // no Node stays cordoned.
 func TestRecoveryDemo(t *testing.T) {
-	// Under make test's load its restore stalled after the reset in three
-	// of five clean-clone runs, cause not found yet (issue 16): it runs on
-	// its own, with make test-recovery-demo.
-	if os.Getenv("ICHOR_RECOVERY_DEMO") == "" {
-		t.Skip("the recovery demo runs with make test-recovery-demo (ICHOR_RECOVERY_DEMO=1)")
-	}
 	dir, out := runDemoTest(t, 12*time.Minute, "--demo=recovery", "--workers", "2")
 	wantLines(t, out,
 		"$ kubectl ichor restore etcd --from file://"+filepath.Join(dir, fileSnapshot),
