@@ -724,7 +724,8 @@ func largeOperation(b *testing.B, bin string, busy bool) largeRun {
 		cmd := exec.Command(bin, "--namespace", c.ctrlNS, "--leader-elect=false", "--metrics-bind-address", "0", "--health-probe-bind-address", "127.0.0.1:0",
 			"--pprof-bind-address", pprofAddr)
 		// The Deployment's GOMEMLIMIT too: the budget is the controller's as it ships.
-		cmd.Env = append(os.Environ(), "KUBECONFIG="+env.Kubeconfig, "GOMEMLIMIT="+deploymentEnv(b, "GOMEMLIMIT"))
+		// And a /tmp of its own, as a pod's: no other controller resumes from its hand-over file.
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+env.Kubeconfig, "GOMEMLIMIT="+deploymentEnv(b, "GOMEMLIMIT"), "TMPDIR="+b.TempDir())
 		cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 		if err := cmd.Start(); err != nil {
 			b.Fatal(err)

@@ -151,6 +151,9 @@ type Controller struct {
 func StartController(t testing.TB, cfg *rest.Config, o app.Options) *Controller {
 	t.Helper()
 	o.MetricsAddr, o.ProbeAddr = "0", "0"
+	if o.HandoverDir == "" {
+		o.HandoverDir = handoverDir(t)
+	}
 	if o.Version == "" {
 		o.Version = "v0.0.0-test"
 	}
@@ -169,6 +172,27 @@ func StartController(t testing.TB, cfg *rest.Config, o app.Options) *Controller 
 	}()
 	t.Cleanup(ctl.Stop)
 	return ctl
+}
+
+// handoverDirs are the tests' hand-over directories (testing.TB to its
+// directory).
+var handoverDirs sync.Map
+
+// handoverDir is where the controllers of one test keep an etcd restore's
+// hand-over file (Options.HandoverDir): shared by the controllers the test
+// starts one after the other, as by a pod's restarts (one killed mid-restore,
+// the next resumes from it), and no other test's. The default, the
+// machine's /tmp, is every test's on this machine: a controller of another
+// test (another package's, at the same time) would resume the restore from
+// it and send its Resets and Bootstraps to this test's machines.
+func handoverDir(t testing.TB) string {
+	if d, ok := handoverDirs.Load(t); ok {
+		return d.(string)
+	}
+	d := t.TempDir()
+	handoverDirs.Store(t, d)
+	t.Cleanup(func() { handoverDirs.Delete(t) })
+	return d
 }
 
 // Stop stops the controller and waits until it has.
