@@ -49,8 +49,8 @@ import (
 // the bare pod untouched and named, the legacy token signed again and
 // taken, and the rotation's Secret gone; the same controller then reboots
 // a machine. Then a second rotation, each controller killed right after
-// a step of a stage no controller was killed in yet (each new one on a
-// token signed then, as a new pod would have), ends the same way.
+// a step no controller was killed after yet (each new one on a token
+// signed then, as a new pod would have), ends the same way.
 func TestServiceAccountKeyRotation(t *testing.T) {
 	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 2), testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})
 	const ns, ctrlNS = "default", ichorv1.DefaultNamespace
@@ -76,16 +76,21 @@ func TestServiceAccountKeyRotation(t *testing.T) {
 	waitOp(t, henv.Client, reboot, 3*time.Minute)
 	ctl.Stop()
 
-	// Again, killed in each stage.
+	// Again, killed after every step.
 	waitHealthy(t, henv.Client, ns, "agent", len(fleet.Machines()))
 	before = saWorldOf(t, fleet, henv, ns)
 	budget = followReadiness(t, henv.Kube, ns, "web", "agent")
 	op = createSAKeyRotation(t, henv.Client, ns, "rotate-killed", false)
-	killedAt := killInEachStage(t, henv.Client, ctrlclient.ObjectKeyFromObject(op), 12, 4*time.Minute, func(hook func(operation.StepRun)) *testcluster.Controller {
+	killedAt := killAtEachStep(t, henv.Client, ctrlclient.ObjectKeyFromObject(op), 16, 4*time.Minute, func(hook func(operation.StepRun)) *testcluster.Controller {
 		return testcluster.StartKillable(t, controllerToken(t, henv), app.Options{Namespace: ctrlNS, TestHookAfterRun: hook, Executors: saRegistry()})
 	})
-	if len(killedAt) != 5 {
-		t.Errorf("killed in %d stages, want each of the 5 (%v)", len(killedAt), killedAt)
+	for _, stage := range []string{executor.StageSAPrepare, executor.StageSASwap, executor.StageSAVerify, executor.StageTokensReissue, executor.StageWorkloadsRestart} {
+		if !killedIn(killedAt, stage) {
+			t.Errorf("never killed in stage %s (%v)", stage, killedAt)
+		}
+	}
+	if !killedAt[executor.StageSASwap+"/"+executor.StepSwapServiceAccountKey] {
+		t.Errorf("never killed between a swap of the service-account key and its record (%v)", killedAt)
 	}
 	checkSARotated(t, fleet, henv, op, before, budget)
 }
