@@ -301,22 +301,10 @@ func generateCAStep() Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		s, err := readCAState(ctx, e)
+		s, err := writeAhead(ctx, e, readCAState, mustCAState, func() (*caState, error) { return newCAState(ctx, e) },
+			func(s *caState) error { return storeCAState(ctx, e, s) })
 		if err != nil {
 			return Outcome{}, err
-		}
-		if s == nil {
-			if s, err = newCAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
-			if err := storeCAState(ctx, e, s); err != nil {
-				return Outcome{}, err
-			}
-			// Read back what is stored: a racing run of this step may have
-			// stored its own first, and only one CA may ever be used.
-			if s, err = mustCAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
 		}
 		before, _ := s.config(credsBefore)
 		if err := verifyEverywhere(ctx, e, before, credsBefore.String()); err != nil {
@@ -361,6 +349,24 @@ func storeCAState(ctx context.Context, e *Env, s *caState) error {
 	}
 	return storeRotationSecret(ctx, e, CARotationSecret, map[string][]byte{caKeyOldCA: s.oldCA, caKeyNewCA: s.newCA.Crt, caKeyNewCAKey: s.newCA.Key,
 		caKeyClientCrt: s.client.Crt, caKeyClientKey: s.client.Key, caKeyTalosconfig: before})
+}
+
+// writeAhead is a rotation's state as its Secret holds it: read, or else
+// made, stored and read back through must (a racing run of the step may
+// have stored its own first, and only one may ever be used), once, before
+// any machine changes: a run again finds it stored and keeps it.
+func writeAhead[S any](ctx context.Context, e *Env, read, must func(context.Context, *Env) (*S, error), make func() (*S, error), store func(*S) error) (*S, error) {
+	s, err := read(ctx, e)
+	if err != nil || s != nil {
+		return s, err
+	}
+	if s, err = make(); err != nil {
+		return nil, err
+	}
+	if err := store(s); err != nil {
+		return nil, err
+	}
+	return must(ctx, e)
 }
 
 // storeRotationSecret writes a rotation's write-ahead state to the Secret

@@ -150,22 +150,12 @@ func generateSAKeyStep() Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		s, err := readSAState(ctx, e)
-		if err != nil {
+		if _, err := writeAhead(ctx, e, readSAState, mustSAState, func() (*saState, error) { return newSAState(ctx, e) },
+			func(s *saState) error {
+				return storeRotationSecret(ctx, e, ServiceAccountKeyRotationSecret, map[string][]byte{
+					saKeyOld: s.oldKey, saKeyNew: s.newKey, saKeyProbe: []byte(s.probe)})
+			}); err != nil {
 			return Outcome{}, err
-		}
-		if s == nil {
-			if s, err = newSAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
-			if err := storeRotationSecret(ctx, e, ServiceAccountKeyRotationSecret, map[string][]byte{
-				saKeyOld: s.oldKey, saKeyNew: s.newKey, saKeyProbe: []byte(s.probe)}); err != nil {
-				return Outcome{}, err
-			}
-			// Read back what is stored: a racing run may have stored its own.
-			if s, err = mustSAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
 		}
 		return Outcome{Message: fmt.Sprintf("new service-account key stored in Secret %s/%s, with a token of the old key to prove it refused",
 			e.Controller.Namespace, ServiceAccountKeyRotationSecret)}, nil

@@ -157,22 +157,13 @@ func generateK8sCAStep() Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		s, err := readK8sCAState(ctx, e)
+		s, err := writeAhead(ctx, e, readK8sCAState, mustK8sCAState, func() (*k8sCAState, error) { return newK8sCAState(ctx, e) },
+			func(s *k8sCAState) error {
+				return storeRotationSecret(ctx, e, KubernetesCARotationSecret, map[string][]byte{
+					k8sKeyOldCA: s.old.Crt, k8sKeyOldCAKey: s.old.Key, k8sKeyNewCA: s.new.Crt, k8sKeyNewCAKey: s.new.Key})
+			})
 		if err != nil {
 			return Outcome{}, err
-		}
-		if s == nil {
-			if s, err = newK8sCAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
-			if err := storeRotationSecret(ctx, e, KubernetesCARotationSecret, map[string][]byte{
-				k8sKeyOldCA: s.old.Crt, k8sKeyOldCAKey: s.old.Key, k8sKeyNewCA: s.new.Crt, k8sKeyNewCAKey: s.new.Key}); err != nil {
-				return Outcome{}, err
-			}
-			// Read back what is stored: a racing run may have stored its own.
-			if s, err = mustK8sCAState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
 		}
 		if err := k8sBefore.verify(ctx, e, s); err != nil {
 			return Outcome{}, err

@@ -170,23 +170,14 @@ func generateSecretboxStep() Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		s, err := readSecretboxState(ctx, e)
+		s, err := writeAhead(ctx, e, readSecretboxState, mustSecretboxState, func() (*secretboxState, error) { return newSecretboxState(ctx, e) },
+			func(s *secretboxState) error {
+				return storeRotationSecret(ctx, e, SecretboxRotationSecret, map[string][]byte{
+					sbKeyOldSecretbox: []byte(s.oldSecretbox), sbKeyOldAESCBC: []byte(s.oldAESCBC),
+					sbKeyNewSecretbox: []byte(s.newSecretbox.Secret), sbKeyBridge: []byte(s.bridge.Secret)})
+			})
 		if err != nil {
 			return Outcome{}, err
-		}
-		if s == nil {
-			if s, err = newSecretboxState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
-			if err := storeRotationSecret(ctx, e, SecretboxRotationSecret, map[string][]byte{
-				sbKeyOldSecretbox: []byte(s.oldSecretbox), sbKeyOldAESCBC: []byte(s.oldAESCBC),
-				sbKeyNewSecretbox: []byte(s.newSecretbox.Secret), sbKeyBridge: []byte(s.bridge.Secret)}); err != nil {
-				return Outcome{}, err
-			}
-			// Read back what is stored: a racing run may have stored its own.
-			if s, err = mustSecretboxState(ctx, e); err != nil {
-				return Outcome{}, err
-			}
 		}
 		return Outcome{Message: fmt.Sprintf("new secretbox key stored in Secret %s/%s; %s", e.Controller.Namespace, SecretboxRotationSecret, bridgeWords(s))}, nil
 	}}
