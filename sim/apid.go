@@ -39,7 +39,8 @@ type endpoint struct {
 
 	mu       sync.Mutex
 	gs       *grpc.Server
-	lis      net.Listener
+	lis      net.Listener       // bound, not yet served (before the first boot)
+	serving  net.Listener       // the listener gs serves
 	endCalls context.CancelFunc // ends the calls running through gs
 }
 
@@ -94,6 +95,7 @@ func (e *endpoint) open() error {
 		grpc.ChainStreamInterceptor(endStream(closed), e.f.streamRouter(e.m)),
 	)
 	e.endCalls = endCalls
+	e.serving = lis
 	machine.RegisterMachineServiceServer(gs, &machined{f: e.f})
 	machine.RegisterLifecycleServiceServer(gs, &lifecycleService{})
 	machine.RegisterImageServiceServer(gs, &imageService{})
@@ -112,11 +114,14 @@ func (e *endpoint) open() error {
 // the client), and the answers already made reach their callers before the
 // connections close. A Shutdown's answer is made a few milliseconds before
 // its machine goes down (Durations.Stop); cutting the connections at once
-// lost it whenever the answer had not been written by then.
+// lost it whenever the answer had not been written by then. The listener
+// closes first: a client whose call ended Unavailable must not find the
+// port still accepting.
 func (e *endpoint) close() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.gs != nil {
+		_ = e.serving.Close() // Serve returns; its connections stay
 		e.endCalls()
 		stopGracefully(e.gs, closeGrace)
 		e.gs = nil
