@@ -11,8 +11,14 @@ LDFLAGS := -X maesh.dev/ichor/internal/version.Version=$(VERSION)
 CONTROLLER_GEN := $(BIN)/controller-gen
 # Integration tests share one API server per package. Three packages at
 # once on the two cores: most of their time is spent waiting on simulated
-# machines (about 1.3 cores were busy with two at once).
-TEST_FLAGS ?= -p 3 -timeout 30m
+# machines (about 1.3 cores were busy with two at once). Within a package,
+# the tests on hosted fleets of their own run two at a time (-parallel 2).
+TEST_FLAGS ?= -p 3 -parallel 2 -timeout 40m
+# Every process of a test run (the test binaries, and the API servers, etcds
+# and controllers they start, which inherit it) on one P: with some twenty
+# Go processes on two cores, the runtime's idle spinning and parallel GC
+# cost about a tenth of the run's CPU and gained no time.
+TEST_GOMAXPROCS ?= 1
 # The longest packages first: go test starts packages in the order given,
 # and the operation package alone takes most of the run (started last, it
 # would leave a core idle at the end).
@@ -64,7 +70,7 @@ envtest-assets: ## Build kube-apiserver and etcd from source (cached) and print 
 
 test: $(CONTROLLER_GEN) ## Run every test against a real API server and simulated Talos machines.
 	@assets=$$(hack/envtest-assets.sh); \
-	KUBEBUILDER_ASSETS=$$assets CONTROLLER_GEN=$(CONTROLLER_GEN) go test $(TEST_FLAGS) $(PKGS)
+	KUBEBUILDER_ASSETS=$$assets CONTROLLER_GEN=$(CONTROLLER_GEN) GOMAXPROCS=$(TEST_GOMAXPROCS) go test $(TEST_FLAGS) $(PKGS)
 
 # One package at a time (-p 1): two benchmarks side by side would each measure the other's load.
 bench: ## Run the benchmarks and print each figure beside its budget as a ratio (hack/bench-summary.sh).

@@ -142,6 +142,10 @@ func (e *hostedEtcd) args(dir string) []string {
 		"--listen-client-urls=" + e.client, "--advertise-client-urls=" + e.client,
 		"--listen-peer-urls=" + e.peer, "--initial-advertise-peer-urls=" + e.peer,
 		"--watch-progress-notify-interval=5s", "--log-level=warn",
+		// As envtest's etcd: the data outlives the process (a kill, a
+		// restart), only not the machine's crash; fsync would cost every
+		// write a disk flush on a machine the tests share.
+		"--unsafe-no-fsync",
 		// Clients present a certificate of the etcd CA, as Talos's etcd requires.
 		"--client-cert-auth=true", "--trusted-ca-file=" + filepath.Join(e.dir, etcdCAFile),
 		"--cert-file=" + filepath.Join(e.dir, etcdCertFile), "--key-file=" + filepath.Join(e.dir, etcdKeyFile),

@@ -42,6 +42,7 @@ import (
 // leave, reset, bootstrap) reaches each machine at most once, and no
 // snapshot upload follows the bootstrap.
 func TestEtcdRestore(t *testing.T) {
+	t.Parallel() // its own hosted fleet and API servers (see TestMain)
 	for _, c := range []struct {
 		name, killAfter string
 		s3              bool
@@ -55,15 +56,18 @@ func TestEtcdRestore(t *testing.T) {
 		{name: "killed after recover-etcd", killAfter: executor.StepRecover},
 		{name: "killed after etcd-restored", killAfter: executor.StepRestored, s3: true},
 	} {
-		t.Run(c.name, func(t *testing.T) { testEtcdRestore(t, c.killAfter, c.s3) })
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			testEtcdRestore(t, c.killAfter, c.s3)
+		})
 	}
 }
 
 func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
-	// The controller keeps its hand-over file and downloaded snapshots in
-	// TMPDIR, the Deployment's emptyDir: every controller of the test
-	// shares it, as containers of one pod do.
-	t.Setenv("TMPDIR", t.TempDir())
+	// Every controller of the test shares its hand-over directory
+	// (testcluster's, one per test), as containers of one pod share the
+	// Deployment's emptyDir; a downloaded snapshot's file is named for its
+	// operation's UID.
 	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 0), testenv.Components{})
 	ctx := context.Background()
 	const ns = "default"

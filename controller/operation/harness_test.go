@@ -30,6 +30,11 @@ var env *testenv.Env
 
 // The package's world is a working cluster: the real controller manager
 // (node lifecycle too: the fleets renew their Node Leases) and scheduler.
+// The tests on a hosted fleet of their own (testcluster.StartHostedFleet:
+// their own etcd, API servers and controllers) call t.Parallel: they are
+// the package's longest, and one after another they made it the longest
+// chain of make test; the tests on the shared API server run one after
+// another before them.
 func TestMain(m *testing.M) {
 	os.Exit(testenv.Main(m, &env, testenv.With(testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})))
 }

@@ -39,6 +39,7 @@ import (
 // stage's first step ran (each new one started with the credentials a new
 // pod would have then), ends the same way.
 func TestKubernetesCARotation(t *testing.T) {
+	t.Parallel() // its own hosted fleet and API servers (see TestMain)
 	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 1), testenv.Components{})
 	const ns = "default"
 	testcluster.WriteTalosconfig(t, henv, fleet, ns)

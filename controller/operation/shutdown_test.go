@@ -38,6 +38,7 @@ import (
 // Shutdown, the controller's own worker after the other, and the control
 // planes theirs in one call.
 func TestShutdownWholeCluster(t *testing.T) {
+	t.Parallel() // its own hosted fleet and API servers (see TestMain)
 	fleet, henv := testcluster.StartHostedFleet(t, sim.Cluster("", 3, 2), testenv.Components{ControllerManager: true, Scheduler: true, NodeLifecycle: true})
 	ctx := context.Background()
 	const ns = "default"
