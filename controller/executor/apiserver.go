@@ -60,11 +60,7 @@ func recordAPIServerStep(of clusterChangeOf) Step {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}
-		change, err := of(ctx, e)
-		if err != nil {
-			return Outcome{}, err
-		}
-		ch, changed, err := planClusterChange(ctx, e, change)
+		ch, changed, err := planClusterChange(ctx, e, of)
 		if err != nil {
 			return Outcome{}, err
 		}
@@ -89,11 +85,7 @@ func recordAPIServerStep(of clusterChangeOf) Step {
 // applied again.
 func clusterPatchStep(name string, of clusterChangeOf) Step {
 	return Step{Name: name, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		change, err := of(ctx, e)
-		if err != nil {
-			return Outcome{}, err
-		}
-		ch, changed, err := planClusterChange(ctx, e, change)
+		ch, changed, err := planClusterChange(ctx, e, of)
 		if err != nil {
 			return Outcome{}, err
 		}
@@ -111,8 +103,13 @@ func clusterPatchStep(name string, of clusterChangeOf) Step {
 	}}
 }
 
-// planClusterChange plans change on the machine's active configuration.
-func planClusterChange(ctx context.Context, e *Env, change clusterChange) (machineconfig.Change, bool, error) {
+// planClusterChange plans the change of the machine's (of says it) on its
+// active configuration.
+func planClusterChange(ctx context.Context, e *Env, of clusterChangeOf) (machineconfig.Change, bool, error) {
+	change, err := of(ctx, e)
+	if err != nil {
+		return machineconfig.Change{}, false, err
+	}
 	mc := configMachine(e)
 	var active config.Provider
 	if err := untilAnswers(ctx, func() (err error) { active, err = mc.Active(ctx); return err }); err != nil {
