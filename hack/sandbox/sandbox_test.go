@@ -79,7 +79,7 @@ func buildBinaries(t *testing.T) string {
 
 // buildBinary builds pkg into path, stamped with version.
 func buildBinary(path, pkg, v string) error {
-	cmd := exec.Command("go", "build", "-ldflags", "-X maesh.dev/ichor/internal/version.Version="+v, "-o", path, pkg)
+	cmd := exec.Command("go", "build", "-ldflags", "-s -w -X maesh.dev/ichor/internal/version.Version="+v, "-o", path, pkg)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("build %s: %v\n%s", pkg, err, out)
 	}

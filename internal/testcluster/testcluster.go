@@ -272,11 +272,13 @@ func IchorBinary(t testing.TB, env *testenv.Env, version string) string {
 	}
 	// The file is named as in the image: a container's command names it.
 	path := filepath.Join(env.Dir(), "ichor-controller")
-	args := []string{"build", "-o", path}
+	// Stripped, as the image's (and a third of the link's time saved).
+	ldflags := "-s -w"
 	if version != "" {
 		path = filepath.Join(env.Dir(), version, "ichor-controller")
-		args = []string{"build", "-o", path, "-ldflags", "-X maesh.dev/ichor/internal/version.Version=" + version}
+		ldflags += " -X maesh.dev/ichor/internal/version.Version=" + version
 	}
+	args := []string{"build", "-o", path, "-ldflags", ldflags}
 	out, err := exec.Command("go", append(args, "maesh.dev/ichor/controller")...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("build ichor-controller %s: %v\n%s", version, err, out)

@@ -42,7 +42,7 @@ func run(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binDir = dir
-	build := exec.Command("go", "build", "-ldflags", "-X maesh.dev/ichor/internal/version.Version="+pluginVersion,
+	build := exec.Command("go", "build", "-ldflags", "-s -w -X maesh.dev/ichor/internal/version.Version="+pluginVersion,
 		"-o", filepath.Join(dir, "kubectl-ichor"), "maesh.dev/ichor/plugin")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
