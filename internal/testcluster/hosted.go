@@ -27,7 +27,7 @@ func StartHostedFleet(t testing.TB, spec sim.Spec, components testenv.Components
 		spec.Name = "h" + strings.ReplaceAll(uuid.NewString()[:8], "-", "")
 	}
 	if spec.Logf == nil {
-		spec.Logf = t.Logf
+		spec.Logf = Logf(t)
 	}
 	if components.NodeLifecycle && spec.Kubelet.NodeLease == 0 {
 		spec.Kubelet.NodeLease = testenv.NodeLease

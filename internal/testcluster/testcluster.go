@@ -15,8 +15,6 @@ package testcluster
 
 import (
 	"context"
-	"io"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -52,7 +50,7 @@ func StartFleet(t testing.TB, env *testenv.Env, spec sim.Spec, opsNS string) *si
 		spec.Name = spec.Name[:min(len(spec.Name), 12)]
 	}
 	if spec.Logf == nil {
-		spec.Logf = t.Logf
+		spec.Logf = Logf(t)
 	}
 	if spec.APIServer == nil {
 		spec.APIServer = env.Config
@@ -217,27 +215,6 @@ func (c *Controller) Err() error {
 	default:
 		return nil
 	}
-}
-
-// LogSink is the test's log, or the file $ICHOR_TEST_LOG (benchmarks
-// truncate their logs).
-func LogSink(t testing.TB) io.Writer {
-	if path := os.Getenv("ICHOR_TEST_LOG"); path != "" {
-		f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = f.Close() })
-		return f
-	}
-	return testWriter{t}
-}
-
-type testWriter struct{ t testing.TB }
-
-func (w testWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimRight(string(p), "\n"))
-	return len(p), nil
 }
 
 // IchorImage matches Ichor's controller image at any tag, as
