@@ -31,39 +31,22 @@ import (
 )
 
 // TestEtcdRestore restores a hosted fleet (three control planes, a real
-// etcd behind real API servers) from a snapshot taken before three
-// ConfigMaps and the operation were created, through the controller: the
-// three are gone, every control plane is a healthy member, the operation
-// is back (written from the journal), Succeeded with the snapshot's
-// revision, and the journal is cleared. With the controller killed after
-// each step of the flow (before status or the journal records its end)
-// and started again, it ends the same; from S3, with the credentials of
-// the Secret the operation names, too. Every irreversible call (etcd
-// leave, reset, bootstrap) reaches each machine at most once, and no
-// snapshot upload follows the bootstrap.
+// etcd behind real API servers) from a snapshot in S3, taken before three
+// ConfigMaps and the operation were created, with the credentials of the
+// Secret the operation names, through controllers each killed after the
+// next step of the flow (before status or the journal records its end),
+// then one left to finish: the three are gone, every control plane
+// is a healthy member, the operation is back (written from the journal),
+// Succeeded with the snapshot's revision, and the journal is cleared.
+// Every irreversible call (etcd leave, reset, bootstrap) reaches each
+// machine at most once, and no snapshot upload follows the bootstrap.
+// The file:// source is restored uninterrupted by the plugin's test
+// (TestRestoreEtcdEndToEnd) and the recovery demo.
+//
+// One fleet for every kill: a hosted run costs a minute of CPU, and each
+// kill only restarts the controller.
 func TestEtcdRestore(t *testing.T) {
 	t.Parallel() // its own hosted fleet and API servers (see TestMain)
-	for _, c := range []struct {
-		name, killAfter string
-		s3              bool
-	}{
-		// No case without a kill: each hosted run costs half a minute, and
-		// after the first step's kill the next controller runs the whole
-		// flow and the write-back unkilled; the last case reads from S3.
-		{name: "killed after check-snapshot", killAfter: executor.StepCheckSnapshot},
-		{name: "killed after etcd-leave-others", killAfter: executor.StepLeaveOthers},
-		{name: "killed after reset-control-planes", killAfter: executor.StepResetAll},
-		{name: "killed after recover-etcd", killAfter: executor.StepRecover},
-		{name: "killed after etcd-restored", killAfter: executor.StepRestored, s3: true},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
-			testEtcdRestore(t, c.killAfter, c.s3)
-		})
-	}
-}
-
-func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
 	// Every controller of the test shares its hand-over directory
 	// (testcluster's, one per test), as containers of one pod share the
 	// Deployment's emptyDir; a downloaded snapshot's file is named for its
@@ -78,57 +61,50 @@ func testEtcdRestore(t *testing.T, killAfter string, s3 bool) {
 	}
 	defer tc.Close()
 	cps := fleet.ControlPlanes()
+	spec := &ichorv1.EtcdRestore{Snapshot: "s3://backups/etcd.snapshot", Secret: "backup-credentials"}
+	bucket := s3Server(t, henv, ns, spec.Secret)
+	// Taken outside the controller's reach: it must read it from the bucket.
 	snap := filepath.Join(t.TempDir(), "etcd.snapshot")
-	spec := &ichorv1.EtcdRestore{Snapshot: "file://" + snap}
-	var bucket *s3mem.Backend
-	if s3 {
-		spec = &ichorv1.EtcdRestore{Snapshot: "s3://backups/etcd.snapshot", Secret: "backup-credentials"}
-		bucket = s3Server(t, henv, ns, spec.Secret)
-	}
 	testcluster.TakeSnapshot(t, tc, cps[0], snap)
-	if bucket != nil {
-		putObject(t, bucket, "etcd.snapshot", snap)
-		snap2 := snap + ".gone"
-		if err := os.Rename(snap, snap2); err != nil { // the controller must read it from the bucket
-			t.Fatal(err)
-		}
-		snap = snap2
-	}
+	putObject(t, bucket, "etcd.snapshot", snap)
 	want, err := snapshot.Verify(snap)
 	if err != nil {
 		t.Fatal(err)
 	}
 	testenv.CreateConfigMaps(t, henv.Kube, "after0", "after1", "after2")
 
-	var ctl atomic.Pointer[testcluster.Controller]
-	killed := make(chan struct{})
-	var once sync.Once
-	hook := func(s operation.StepRun) {
-		if s.Step == killAfter && s.Err == nil {
-			once.Do(func() {
-				ctl.Load().Kill()
-				close(killed)
-			})
-		}
-	}
-	start := func() {
-		ctl.Store(testcluster.StartKillable(t, henv.Config, app.Options{Namespace: ns, TestHookAfterRun: hook}))
-	}
-	start()
 	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "restore"},
 		Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore, EtcdRestore: spec}}
-	if err := henv.Client.Create(ctx, op); err != nil {
-		t.Fatal(err)
-	}
-	if killAfter != "" {
+	// Controller i is killed right after step i has run; the next one
+	// runs it again (its end was not recorded) and goes on to step i+1.
+	// The step's name is the boundary: the API is away for most of the
+	// flow, so the operation cannot be read to name it.
+	for i, step := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers, executor.StepResetAll, executor.StepRecover, executor.StepRestored} {
+		var ctl atomic.Pointer[testcluster.Controller]
+		killed := make(chan struct{})
+		var once sync.Once
+		hook := func(s operation.StepRun) {
+			if s.Step == step && s.Err == nil {
+				once.Do(func() {
+					ctl.Load().Kill()
+					close(killed)
+				})
+			}
+		}
+		ctl.Store(testcluster.StartKillable(t, henv.Config, app.Options{Namespace: ns, TestHookAfterRun: hook}))
+		if i == 0 {
+			if err := henv.Client.Create(ctx, op); err != nil {
+				t.Fatal(err)
+			}
+		}
 		select {
 		case <-killed:
 		case <-time.After(5 * time.Minute):
-			t.Fatalf("%s never ran", killAfter)
+			t.Fatalf("no controller ran %s", step)
 		}
 		ctl.Load().Stop()
-		start()
 	}
+	testcluster.StartController(t, henv.Config, app.Options{Namespace: ns})
 
 	got := &ichorv1.TalosOperation{}
 	testenv.Eventually(t, 6*time.Minute, "the operation back and Succeeded", func(ctx context.Context) (bool, error) {
