@@ -296,7 +296,7 @@ func checkSARotated(t *testing.T, fleet *sim.Fleet, henv *testenv.Env, op *ichor
 		}
 	}
 	if n := budget.least("web"); n < 2 {
-		t.Errorf("web's budget (minAvailable 2) was broken: %d healthy pods at one point", n)
+		t.Errorf("web's budget (minAvailable 2) was broken: %s", budget.broken("web"))
 	}
 	// Each pod restarted once: none made after the swap was restarted.
 	if web, agents := budget.madeSince("web"), budget.madeSince("agent"); web != w.pods["web"] || agents != w.pods["agent"] {

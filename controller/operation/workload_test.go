@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -132,12 +133,8 @@ func healthy(p *corev1.Pod) bool {
 	if p.DeletionTimestamp != nil {
 		return false
 	}
-	for _, cond := range p.Status.Conditions {
-		if cond.Type == corev1.PodReady {
-			return cond.Status == corev1.ConditionTrue
-		}
-	}
-	return false
+	c := podCondition(p, corev1.PodReady)
+	return c != nil && c.Status == corev1.ConditionTrue
 }
 
 // waitHealthy waits until app has n healthy pods.
@@ -180,6 +177,9 @@ type readiness struct {
 	// that is not among those there then (initial).
 	made    map[string]map[string]bool
 	initial map[string]bool
+	// worst says, for each app, which of its pods were not healthy when it
+	// had its fewest healthy ones, and why: a broken budget's message.
+	worst map[string]string
 }
 
 func (c *cluster) followReadiness(apps ...string) *readiness {
@@ -192,7 +192,7 @@ func (c *cluster) followReadiness(apps ...string) *readiness {
 // change within such a gap is not seen.
 func followReadiness(t testing.TB, kc kubernetes.Interface, ns string, apps ...string) *readiness {
 	t.Helper()
-	r := &readiness{pods: map[string]*corev1.Pod{}, fewest: map[string]int{}, made: map[string]map[string]bool{}}
+	r := &readiness{pods: map[string]*corev1.Pod{}, fewest: map[string]int{}, made: map[string]map[string]bool{}, worst: map[string]string{}}
 	for _, app := range apps {
 		r.fewest[app] = -1
 		r.made[app] = map[string]bool{}
@@ -256,8 +256,46 @@ func (r *readiness) count() {
 	for app, n := range r.fewest {
 		if n < 0 || counts[app] < n {
 			r.fewest[app] = counts[app]
+			r.worst[app] = r.unhealthy(app)
 		}
 	}
+}
+
+// unhealthy names app's pods that are not healthy, each with its node and
+// its Ready condition (or that it is being deleted).
+func (r *readiness) unhealthy(app string) string {
+	var out []string
+	for _, p := range r.pods {
+		if p.Labels["app"] != app || healthy(p) {
+			continue
+		}
+		why := "no Ready condition"
+		if p.DeletionTimestamp != nil {
+			why = "being deleted"
+		} else if c := podCondition(p, corev1.PodReady); c != nil {
+			why = fmt.Sprintf("Ready %s %s %s", c.Status, c.Reason, c.Message)
+		}
+		out = append(out, fmt.Sprintf("%s on %q: %s", p.Name, p.Spec.NodeName, why))
+	}
+	slices.Sort(out)
+	return strings.Join(out, "; ")
+}
+
+func podCondition(p *corev1.Pod, t corev1.PodConditionType) *corev1.PodCondition {
+	for i := range p.Status.Conditions {
+		if p.Status.Conditions[i].Type == t {
+			return &p.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// broken says how app's fewest healthy pods came about, for a test's
+// message when that broke its budget.
+func (r *readiness) broken(app string) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return fmt.Sprintf("%d healthy pods at one point (not healthy then: %s)", r.fewest[app], r.worst[app])
 }
 
 func (r *readiness) least(app string) int {
@@ -342,7 +380,7 @@ func TestDrainWaitsForBudget(t *testing.T) {
 		t.Errorf("the drain never said it waited for the budget (%q); its messages: %q", want, messages())
 	}
 	if n := ready.least("web"); n < 1 {
-		t.Errorf("the budget was broken: %d healthy web pods at one point (minAvailable 1)", n)
+		t.Errorf("web's budget (minAvailable 1) was broken: %s", ready.broken("web"))
 	}
 	c.waitHealthy("web", 2)
 	for _, p := range c.pods("web") {
@@ -415,10 +453,10 @@ func TestUpgradeKeepsBudgets(t *testing.T) {
 	c.create("upgrade", talosSpec("v1.13.7"))
 	c.waitSucceeded("upgrade", 5*time.Minute)
 	if n := ready.least("web"); n < 3 {
-		t.Errorf("web's budget (minAvailable 3) was broken: %d healthy pods at one point", n)
+		t.Errorf("web's budget (minAvailable 3) was broken: %s", ready.broken("web"))
 	}
 	if n := ready.least("db"); n < 2 {
-		t.Errorf("db's budget (maxUnavailable 1 of 3) was broken: %d healthy pods at one point", n)
+		t.Errorf("db's budget (maxUnavailable 1 of 3) was broken: %s", ready.broken("db"))
 	}
 	for _, m := range c.fleet.Machines() {
 		if m.Version() != "v1.13.7" {
