@@ -8,7 +8,9 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"k8s.io/client-go/discovery"
 
+	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -45,7 +47,37 @@ func StartHostedFleet(t testing.TB, spec sim.Spec, components testenv.Components
 		t.Fatalf("attach to the fleet's API: %v", err)
 	}
 	t.Cleanup(func() { _ = env.Stop() })
+	waitCRDServed(t, fleet)
 	return fleet, env
+}
+
+// waitCRDServed waits until every control plane's API server serves the
+// TalosOperation resource: the CRD was installed through the endpoint,
+// which waited for one of them only, and each learns of it from its own
+// watch. A controller started before then may find no such resource in
+// discovery and stop.
+func waitCRDServed(t testing.TB, fleet *sim.Fleet) {
+	t.Helper()
+	for _, cp := range fleet.ControlPlanes() {
+		cfg := fleet.APIConfig()
+		cfg.Host = "https://" + cp.APIServer().Address
+		dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		testenv.Eventually(t, time.Minute, cp.Name()+"'s API server serving talosoperations", func(context.Context) (bool, error) {
+			rs, err := dc.ServerResourcesForGroupVersion(ichorv1.GroupVersion.String())
+			if err != nil {
+				return false, nil //nolint:nilerr // not yet
+			}
+			for _, r := range rs.APIResources {
+				if r.Name == "talosoperations" {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+	}
 }
 
 // HostedComponents are the components of a test package's world as each

@@ -67,3 +67,15 @@ func TestEventually(t *testing.T) {
 		})
 	}
 }
+
+// TestPollBackoff: Eventually polls every 20ms at first, then less often,
+// never less often than every 100ms.
+func TestPollBackoff(t *testing.T) {
+	next := pollBackoff().DelayFunc()
+	ms := func(f float64) time.Duration { return time.Duration(f * float64(time.Millisecond)) }
+	for i, want := range []time.Duration{ms(20), ms(30), ms(45), ms(67.5), ms(100), ms(100), ms(100)} {
+		if got := next(); got != want {
+			t.Fatalf("wait %d: %s, want %s", i, got, want)
+		}
+	}
+}
