@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -138,7 +139,7 @@ func (c *ichorCluster) waitRolledOut(image, version string) {
 			return false, nil
 		}
 		for i := range pods {
-			if pods[i].Spec.Containers[0].Image != image || !isReady(&pods[i]) {
+			if pods[i].Spec.Containers[0].Image != image || !podutils.IsPodReady(&pods[i]) {
 				return false, nil
 			}
 		}
@@ -159,15 +160,6 @@ func (c *ichorCluster) pauseRollout(paused bool) {
 	if err := env.Client.Patch(context.Background(), d, client.RawPatch(types.MergePatchType, []byte(patch))); err != nil {
 		c.t.Fatal(err)
 	}
-}
-
-func isReady(p *corev1.Pod) bool {
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 // An ichor operation from one build to the next: the old controller starts
@@ -205,8 +197,8 @@ func TestIchorUpgradeThroughInstaller(t *testing.T) {
 		t.Errorf("%d controller pods, want the Deployment's 2", len(pods))
 	}
 	for _, p := range pods {
-		if img := p.Spec.Containers[0].Image; img != newImage || !isReady(&p) {
-			t.Errorf("controller pod %s runs %s (ready %v), want %s", p.Name, img, isReady(&p), newImage)
+		if img := p.Spec.Containers[0].Image; img != newImage || !podutils.IsPodReady(&p) {
+			t.Errorf("controller pod %s runs %s (ready %v), want %s", p.Name, img, podutils.IsPodReady(&p), newImage)
 		}
 		// The new pods ran beside the old ones on the two machines: none
 		// crashed on a port another one held.
@@ -289,8 +281,8 @@ func TestIchorKilledAtEveryStep(t *testing.T) {
 				t.Errorf("the operation was marked done as %q, want it finished by %s", op.Status.Machines[0].Message, newVersion)
 			}
 			for _, p := range controllerPods(t) {
-				if img := p.Spec.Containers[0].Image; img != newImage || !isReady(&p) {
-					t.Errorf("controller pod %s runs %s (ready %v), want %s", p.Name, img, isReady(&p), newImage)
+				if img := p.Spec.Containers[0].Image; img != newImage || !podutils.IsPodReady(&p) {
+					t.Errorf("controller pod %s runs %s (ready %v), want %s", p.Name, img, podutils.IsPodReady(&p), newImage)
 				}
 			}
 			jobs := jobsOf(t, op)

@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
@@ -130,11 +131,7 @@ func podsOf(t testing.TB, cl client.Client, ns, app string) []corev1.Pod {
 
 // healthy is a pod the disruption controller counts: Ready and not terminating.
 func healthy(p *corev1.Pod) bool {
-	if p.DeletionTimestamp != nil {
-		return false
-	}
-	c := podCondition(p, corev1.PodReady)
-	return c != nil && c.Status == corev1.ConditionTrue
+	return p.DeletionTimestamp == nil && podutils.IsPodReady(p)
 }
 
 // waitHealthy waits until app has n healthy pods.
@@ -272,22 +269,14 @@ func (r *readiness) unhealthy(app string) string {
 		why := "no Ready condition"
 		if p.DeletionTimestamp != nil {
 			why = "being deleted"
-		} else if c := podCondition(p, corev1.PodReady); c != nil {
+		} else if i := slices.IndexFunc(p.Status.Conditions, func(c corev1.PodCondition) bool { return c.Type == corev1.PodReady }); i >= 0 {
+			c := p.Status.Conditions[i]
 			why = fmt.Sprintf("Ready %s %s %s", c.Status, c.Reason, c.Message)
 		}
 		out = append(out, fmt.Sprintf("%s on %q: %s", p.Name, p.Spec.NodeName, why))
 	}
 	slices.Sort(out)
 	return strings.Join(out, "; ")
-}
-
-func podCondition(p *corev1.Pod, t corev1.PodConditionType) *corev1.PodCondition {
-	for i := range p.Status.Conditions {
-		if p.Status.Conditions[i].Type == t {
-			return &p.Status.Conditions[i]
-		}
-	}
-	return nil
 }
 
 // broken says how app's fewest healthy pods came about, for a test's

@@ -3,11 +3,13 @@ package testcluster
 import (
 	"context"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/discovery"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -70,12 +72,7 @@ func waitCRDServed(t testing.TB, fleet *sim.Fleet) {
 			if err != nil {
 				return false, nil //nolint:nilerr // not yet
 			}
-			for _, r := range rs.APIResources {
-				if r.Name == "talosoperations" {
-					return true, nil
-				}
-			}
-			return false, nil
+			return slices.ContainsFunc(rs.APIResources, func(r metav1.APIResource) bool { return r.Name == ichorv1.Resource }), nil
 		})
 	}
 }

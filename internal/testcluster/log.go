@@ -66,8 +66,10 @@ func (bl *backgroundLog) add(line string) {
 	bl.lines = append(bl.lines, line)
 }
 
-// flush prints the held lines if the test failed. It runs as the test's
-// cleanup registered first, so after the workers' own cleanups stopped them.
+// flush prints the held lines if the test failed. It is registered as a
+// cleanup when the first worker is given the log, before that worker's
+// own cleanup (and those of the workers after it), so it runs after they
+// have stopped them.
 func (bl *backgroundLog) flush() {
 	bl.mu.Lock()
 	defer bl.mu.Unlock()

@@ -18,9 +18,9 @@ import (
 //
 // It polls at once, then every 20ms, and less often the longer it waits,
 // up to every 100ms: a condition met soon is seen soon, and a long wait
-// does not keep an API server busy (at 20ms, the waits of a make test run
-// were a fifth of its shared API servers' requests, each a quorum read
-// from etcd).
+// does not keep an API server busy (at 20ms a wait on an object was 50
+// quorum reads a second; a CPU profile of the operation package's shared
+// API server showed 9% of its time serving GETs of TalosOperations).
 func Eventually(t testing.TB, timeout time.Duration, what string, cond func(ctx context.Context) (bool, error)) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
