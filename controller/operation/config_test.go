@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -313,51 +312,9 @@ func TestConfigKilledAfterApply(t *testing.T) {
 		t.Run(string(tt.mode), func(t *testing.T) {
 			c := newCluster(t, sim.Cluster("", 1, 2))
 			c.create("san", configSpec(tt.mode, san))
-			var mu sync.Mutex
-			killed := map[string]bool{}
-			var kills atomic.Int32
-			for restarts := 0; ; restarts++ {
-				if restarts > 10 {
-					t.Fatal("still not done after 10 controllers")
-				}
-				var ctl atomic.Pointer[testcluster.Controller]
-				gone := make(chan struct{})
-				hook := func(s operation.StepRun) {
-					mu.Lock()
-					defer mu.Unlock()
-					if s.Step != executor.StepApply || s.Err != nil || killed[s.Machine] {
-						return
-					}
-					killed[s.Machine] = true
-					kills.Add(1)
-					ctl.Load().Kill()
-					close(gone)
-				}
-				ctl.Store(testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}))
-				done := false
-				testenv.Eventually(t, 2*time.Minute, "the controller killed after an apply, or the operation done", func(ctx context.Context) (bool, error) {
-					select {
-					case <-gone:
-						return true, nil
-					default:
-					}
-					op := &ichorv1.TalosOperation{}
-					if err := env.Client.Get(ctx, ctrlclient.ObjectKey{Namespace: c.ns, Name: "san"}, op); err != nil {
-						return false, err
-					}
-					if op.Failed() {
-						t.Fatalf("failed: %s: %s", op.Status.FailureReason, op.Status.Message)
-					}
-					done = op.Succeeded()
-					return done, nil
-				})
-				ctl.Load().Stop()
-				if done {
-					break
-				}
-			}
-			if n := int(kills.Load()); n != len(c.fleet.Machines()) {
-				t.Errorf("%d kills, want one per machine", n)
+			kills, _ := c.killAfterEachStep("san", 10, func(s operation.StepRun) bool { return s.Step == executor.StepApply })
+			if len(kills) != len(c.fleet.Machines()) {
+				t.Errorf("killed after %q, want once after each machine's apply", kills)
 			}
 			rec := c.fleet.Recorder()
 			for _, m := range c.fleet.Machines() {

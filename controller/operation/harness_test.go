@@ -412,3 +412,61 @@ func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, e
 		}
 	}
 }
+
+// killAfterEachStep runs killable controllers one after another until the
+// operation name is done. Each is killed, as SIGKILL would, right after a
+// Run step that pick chooses has returned, before status records it; a
+// step is killed after once (the next controller runs it again, since its
+// end was not recorded, and must go on). It returns the steps killed after,
+// as machine/step, in order, and the finished operation; it fails the test
+// if the operation fails or more than limit controllers were needed.
+func (c *cluster) killAfterEachStep(name string, limit int, pick func(operation.StepRun) bool) ([]string, *ichorv1.TalosOperation) {
+	c.t.Helper()
+	var mu sync.Mutex
+	var kills []string
+	killed := map[string]bool{}
+	for restarts := 0; restarts <= limit; restarts++ {
+		var ctl atomic.Pointer[testcluster.Controller]
+		gone := make(chan struct{})
+		var once sync.Once
+		hook := func(s operation.StepRun) {
+			key := s.Machine + "/" + s.Step
+			mu.Lock()
+			defer mu.Unlock()
+			if s.Err != nil || killed[key] || !pick(s) {
+				return
+			}
+			once.Do(func() { // steps in flight beside it may return after the kill
+				killed[key] = true
+				kills = append(kills, key)
+				ctl.Load().Kill()
+				close(gone)
+			})
+		}
+		ctl.Store(testcluster.StartKillable(c.t, env.Config, app.Options{Namespace: c.ctrlNS, Executors: executor.Default(), TestHookAfterRun: hook}))
+		var op *ichorv1.TalosOperation
+		testenv.Eventually(c.t, 2*time.Minute, "the controller killed after a step, or the operation done", func(ctx context.Context) (bool, error) {
+			select {
+			case <-gone:
+				return true, nil
+			default:
+			}
+			op = &ichorv1.TalosOperation{}
+			if err := env.Client.Get(ctx, client.ObjectKey{Namespace: c.ns, Name: name}, op); err != nil {
+				return false, err
+			}
+			if op.Failed() {
+				return false, fmt.Errorf("the operation failed after %d kills: %s: %s", len(kills), op.Status.FailureReason, op.Status.Message)
+			}
+			return op.Succeeded(), nil
+		})
+		ctl.Load().Stop()
+		if op != nil && op.Succeeded() {
+			mu.Lock()
+			defer mu.Unlock()
+			return kills, op
+		}
+	}
+	c.t.Fatalf("%s not done after %d controllers", name, limit)
+	return nil, nil
+}

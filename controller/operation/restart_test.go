@@ -3,6 +3,7 @@ package operation_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +15,8 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/controller/operation"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -27,9 +30,10 @@ func boundary(op *ichorv1.TalosOperation) string {
 	return b.String()
 }
 
-// TestControllerRestarts kills the controller at every step boundary of a
-// Talos upgrade and starts a new one: the operation completes, and every
-// machine was upgraded, and rebooted, exactly once.
+// TestControllerRestarts kills the controller after every step of a Talos
+// upgrade, between the step's call and the status write that records it,
+// and starts a new one: the operation completes, every step was killed
+// after once, and every machine was upgraded, and rebooted, exactly once.
 func TestControllerRestarts(t *testing.T) {
 	for _, from := range []string{"v1.12.4", "v1.13.2"} {
 		t.Run("from "+from, func(t *testing.T) {
@@ -39,22 +43,7 @@ func TestControllerRestarts(t *testing.T) {
 			}
 			c := newCluster(t, spec)
 			c.create("upgrade", talosSpec("v1.13.7"))
-			seen, restarts := "", 0
-			for {
-				ctl := c.start()
-				op := c.waitFor("upgrade", "to cross a step boundary", time.Minute, func(op *ichorv1.TalosOperation) bool {
-					return op.Succeeded() || (len(op.Status.Machines) > 0 && boundary(op) != seen)
-				})
-				ctl.Stop()
-				restarts++
-				if op.Failed() {
-					t.Fatalf("the operation failed after %d restarts: %s", restarts, op.Status.Message)
-				}
-				if op.Succeeded() {
-					break
-				}
-				seen = boundary(op)
-			}
+			kills, op := c.killAfterEachStep("upgrade", 40, func(operation.StepRun) bool { return true })
 			rec := c.fleet.Recorder()
 			for _, m := range c.fleet.Machines() {
 				reboots := 0
@@ -67,15 +56,16 @@ func TestControllerRestarts(t *testing.T) {
 					t.Errorf("%s: %d upgrades, %d reboots, on %s; want 1, 1, v1.13.7", m.Name(), n, reboots, m.Version())
 				}
 			}
-			// inspect, etcd-health (cp), cordon, drain, install, [reboot], wait, uncordon:
-			// about 20 boundaries. A new controller can cross two before waitFor
-			// sees the first (two status writes within one poll), so the floor
-			// leaves room for a few of those and still catches a loop that
-			// stopped restarting.
-			if restarts < 12 {
-				t.Errorf("only %d restarts: the test did not stop the controller at each boundary", restarts)
+			// Every step the operation ran was killed after, once: the
+			// history of each machine's steps is in its status.
+			for _, m := range op.Status.Machines {
+				for _, step := range []string{executor.StepInspect, executor.StepCordon, executor.StepDrain, executor.StepInstall, executor.StepUncordon} {
+					if !slices.Contains(kills, m.Name+"/"+step) {
+						t.Errorf("no controller was killed after %s's %s; killed after %q", m.Name, step, kills)
+					}
+				}
 			}
-			t.Logf("%d controller restarts", restarts)
+			t.Logf("%d controllers killed after %q", len(kills), kills)
 		})
 	}
 }
