@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -71,6 +72,57 @@ func TestCordonedWorkerIsInService(t *testing.T) {
 	if n := c.node(w(3)); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != "" {
 		t.Errorf("the operator's cordon of %s: unschedulable %v, %s=%q", w(3), n.Spec.Unschedulable,
 			executor.CordonedByAnnotation, n.Annotations[executor.CordonedByAnnotation])
+	}
+}
+
+// TestWorkerDownBesideOneInFlightWaits: with maxUnavailable 1, a worker of
+// the operation goes down (an operator rebooted it, and it does not come
+// back yet) while another is being drained. It counts against the budget:
+// it does not start beside the drain in flight (cordoning it would take
+// away the room the drain's evicted pods need when it comes back), and the
+// operation says it waits for it. Once it is back, the workers go one
+// after another.
+func TestWorkerDownBesideOneInFlightWaits(t *testing.T) {
+	ctx := context.Background()
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	w1, w2 := c.fleet.Machines()[1], c.fleet.Machines()[2]
+	release := c.holdDrain(w1.Name())
+	c.start()
+	c.create("upgrade", talosSpec("v1.13.7"))
+	c.waitFor("upgrade", "to drain "+w1.Name(), time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1.Name())
+		return m != nil && m.Phase == ichorv1.MachineInProgress && m.Step == executor.StepDrain
+	})
+
+	clear := w2.Inject(sim.Fault{Kind: sim.FaultNoReturn})
+	tc, err := talosclient.New(ctx, talosclient.WithConfig(c.fleet.Talosconfig()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	if err := tc.Reboot(talosclient.WithNode(ctx, w2.Address())); err != nil {
+		t.Fatalf("an operator's reboot of %s: %v", w2.Name(), err)
+	}
+	want := "waiting for workers to come back: 1 out of service (" + w2.Name() + ": NotReady) with maxUnavailable 1"
+	c.waitFor("upgrade", "to wait for "+w2.Name(), time.Minute, func(op *ichorv1.TalosOperation) bool {
+		if m := entryOf(op, w2.Name()); m != nil && m.StartedAt != nil {
+			t.Fatalf("%s started (%s) while it was down and %s was in flight", w2.Name(), m.Step, w1.Name())
+		}
+		return strings.Contains(op.Status.Message, want)
+	})
+	clear()
+	testenv.Eventually(t, time.Minute, w2.Name()+"'s Node Ready again", func(ctx context.Context) (bool, error) {
+		return machine.Ready(c.node(w2.Name())), nil
+	})
+	release()
+	op := c.waitSucceeded("upgrade", 2*time.Minute)
+	if both := workersOverlapping(op); len(both) > 0 {
+		t.Errorf("workers worked on at once with maxUnavailable 1: %v", both)
+	}
+	for _, w := range []*sim.Machine{w1, w2} {
+		if n := c.fleet.Recorder().UpgradesApplied(w.Name()); n != 1 {
+			t.Errorf("%s: %d upgrades applied, want 1", w.Name(), n)
+		}
 	}
 }
 

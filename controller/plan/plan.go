@@ -176,7 +176,8 @@ func (w Wait) String() string {
 // Next picks the machines that may start now (by index into machines), or
 // says why none can. out holds the workers of the cluster (in scope or
 // not) that are out of service right now; a worker the operation works on
-// counts as well. A Ready worker that an operator cordoned is in service.
+// counts as well, and no start may take their number over maxUnavailable.
+// A Ready worker that an operator cordoned is in service.
 func Next(machines []ichorv1.MachineStatus, out map[string]Out, maxUnavailable int) ([]int, Wait) {
 	if maxUnavailable < 1 {
 		maxUnavailable = 1
@@ -207,8 +208,16 @@ func Next(machines []ichorv1.MachineStatus, out map[string]Out, maxUnavailable i
 		if m.Role != ichorv1.RoleWorker || m.Phase != ichorv1.MachinePending {
 			continue
 		}
-		// Working on a worker that is already down adds no disruption.
-		if !disrupted[m.Name] && len(disrupted) >= maxUnavailable {
+		// Working on a worker that is already down adds no disruption, but
+		// it may start only while the budget holds: a worker that went down
+		// beside one in flight may come back by itself, and cordoning it
+		// then would take away the room the drain in flight needs for the
+		// pods it evicts.
+		after := len(disrupted)
+		if !disrupted[m.Name] {
+			after++
+		}
+		if after > maxUnavailable {
 			blocked = true
 			continue
 		}
