@@ -145,6 +145,16 @@ func startInProcess(ctx context.Context, t *testing.T, args ...string) *Sandbox 
 		t.Fatalf("start the sandbox: %v", err)
 	}
 	t.Cleanup(sb.Stop)
+	// Before Stop removes them: a failed test says what each part of the
+	// cluster (the controller's pods, the machines, the control planes)
+	// did last, as a failed demo does.
+	t.Cleanup(func() {
+		if t.Failed() {
+			var b strings.Builder
+			demoFailed(&b, sb)
+			t.Log(b.String())
+		}
+	})
 	return sb
 }
 
