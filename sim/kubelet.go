@@ -651,9 +651,9 @@ func (r *podRun) status() map[string]any {
 	st := map[string]any{
 		"phase":     r.phase,
 		"hostIP":    r.m.addr,
-		"hostIPs":   []map[string]string{{"ip": r.m.addr}},
+		"hostIPs":   replaceList(map[string]string{"ip": r.m.addr}),
 		"podIP":     r.ip,
-		"podIPs":    []map[string]string{{"ip": r.ip}},
+		"podIPs":    replaceList(map[string]string{"ip": r.ip}),
 		"startTime": r.start,
 		"conditions": []map[string]any{
 			cond(corev1.PodReadyToStartContainers, r.sandbox, "", ""),
@@ -667,6 +667,16 @@ func (r *podRun) status() map[string]any {
 		st["initContainerStatuses"] = containerStatuses(r.init)
 	}
 	return st
+}
+
+// replaceList is a strategic-merge-patch list that replaces the one the API
+// has instead of merging into it by key, as the kubelet's patch (two-way,
+// from the pod's status in the API) deletes the addresses it no longer
+// reports: a pod bound to a Node name that a machine of another address
+// had before keeps none of that machine's, which would make two of one
+// family, and every status write refused.
+func replaceList(items ...map[string]string) []map[string]string {
+	return append(items, map[string]string{"$patch": "replace"})
 }
 
 func (r *podRun) condition(typ corev1.PodConditionType) *corev1.PodCondition {

@@ -124,6 +124,30 @@ func TestPodsRun(t *testing.T) {
 	}
 }
 
+// TestPodOfAnEarlierMachine: a pod bound to a Node name before this
+// machine registered it, whose status has another machine's addresses (a
+// fleet of the same names ran it before), runs with this machine's
+// addresses alone: a status that merged both would have two of one family,
+// which the API server refuses.
+func TestPodOfAnEarlierMachine(t *testing.T) {
+	ctx := context.Background()
+	spec := fleetSpec(t, 1, 1)
+	ns := namespace(t)
+	pod := createPod(t, plainPod(ns, "web", spec.Machines[1].Name))
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, HostIP: "127.99.0.1", HostIPs: []corev1.HostIP{{IP: "127.99.0.1"}},
+		PodIP: "10.99.0.1", PodIPs: []corev1.PodIP{{IP: "10.99.0.1"}}}
+	if _, err := env.Kube.CoreV1().Pods(ns).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w := start(t, spec).Machines()[1]
+	p := waitPod(t, ns, "web", "running on "+w.Name()+" at its address", func(p *corev1.Pod) bool {
+		return p.Status.HostIP == w.Address() && p.Status.Phase == corev1.PodRunning
+	})
+	if h, ips := p.Status.HostIPs, p.Status.PodIPs; len(h) != 1 || h[0].IP != w.Address() || len(ips) != 1 || ips[0].IP != p.Status.PodIP {
+		t.Errorf("hostIPs %v podIPs %v (podIP %s); want %s's and the pod's own alone", h, ips, p.Status.PodIP, w.Name())
+	}
+}
+
 // TestPodsEnd: how containers without a binary end: a Job's pod completes
 // after the default delay, annotations change the delay and the exit code,
 // and restartPolicy decides between the pod's end and a restart.

@@ -18,6 +18,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -84,31 +85,33 @@ func (c *ichorCluster) install() {
 }
 
 // removeIchor deletes what the installer and the controller made in
-// ichor-system that runs or holds: the Deployment and its pods, the Jobs,
-// the Leases and the talosconfig.
+// ichor-system that runs or holds: the Jobs, the Deployment, its
+// ReplicaSets and pods, the Leases and the talosconfig. Until none is left:
+// an installer Job's process still running re-applies the Deployment, and
+// a ReplicaSet the garbage collector has not reached yet makes pods again.
+// Pods left behind are bound to Node names the next test's machines take
+// again, whose kubelets would find them.
 func removeIchor(t *testing.T) {
 	ctx := context.Background()
 	ns := client.InNamespace(ichorv1.DefaultNamespace)
 	bg := client.PropagationPolicy(metav1.DeletePropagationBackground)
-	_ = env.Client.Delete(ctx, &appsv1.Deployment{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: manifests.Deployment}}, bg)
-	_ = env.Client.DeleteAllOf(ctx, &batchv1.Job{}, ns, bg)
-	// The ReplicaSets too, before the pods: the garbage collector would
-	// remove them later, and until then they make pods again, which the
-	// next test's Deployment would find.
-	testenv.Eventually(t, time.Minute, "the controller's ReplicaSets and pods to be gone", func(ctx context.Context) (bool, error) {
-		if err := env.Client.DeleteAllOf(ctx, &appsv1.ReplicaSet{}, ns, bg); err != nil {
-			return false, err
+	testenv.Eventually(t, time.Minute, "the controller's Jobs, Deployment, ReplicaSets and pods to be gone", func(ctx context.Context) (bool, error) {
+		left := 0
+		for _, l := range []client.ObjectList{&batchv1.JobList{}, &appsv1.DeploymentList{}, &appsv1.ReplicaSetList{}, &corev1.PodList{}} {
+			if err := env.Client.List(ctx, l, ns); err != nil {
+				return false, err
+			}
+			left += meta.LenList(l)
 		}
-		if err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, ns, client.GracePeriodSeconds(0)); err != nil {
-			return false, err
+		if left == 0 {
+			return true, nil
 		}
-		var sets appsv1.ReplicaSetList
-		var pods corev1.PodList
-		if err := env.Client.List(ctx, &sets, ns); err != nil {
-			return false, err
+		for _, o := range []client.Object{&batchv1.Job{}, &appsv1.Deployment{}, &appsv1.ReplicaSet{}} {
+			if err := env.Client.DeleteAllOf(ctx, o, ns, bg); err != nil {
+				return false, err
+			}
 		}
-		err := env.Client.List(ctx, &pods, ns)
-		return err == nil && len(sets.Items) == 0 && len(pods.Items) == 0, err
+		return false, env.Client.DeleteAllOf(ctx, &corev1.Pod{}, ns, client.GracePeriodSeconds(0))
 	})
 	_ = env.Client.DeleteAllOf(ctx, &coordinationv1.Lease{}, ns)
 	_ = env.Client.Delete(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: ichorv1.DefaultNamespace, Name: ichorv1.TalosconfigSecret}})
