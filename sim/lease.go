@@ -2,8 +2,10 @@ package sim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -23,7 +25,19 @@ import (
 type leases struct {
 	ctl    *kwok.NodeLeaseController
 	leases cache.SharedIndexInformer
+	// stopped are the machines whose Lease is not renewed now. The hold in
+	// kwok's controller is taken once per machine and kept: a renewal of a
+	// down machine fails before it is sent (MutateLeaseFunc) and is tried
+	// again an interval later. Releasing the hold at each shutdown and
+	// taking it at each boot raced with a renewal in flight, which then
+	// queued itself again beside the boot's: every such race added a
+	// renewer for good (CI's sandbox log: one machine's Lease renewed
+	// about 1,500 times a second after a dozen reboots).
+	stopped sync.Map
 }
+
+// errDown is a down machine's renewal, which is not sent.
+var errDown = errors.New("the machine is down")
 
 func startLeases(ctx context.Context, k *kube) (*leases, error) {
 	d := k.f.spec.Kubelet.NodeLease
@@ -45,6 +59,9 @@ func startLeases(ctx context.Context, k *kube) (*leases, error) {
 		RenewIntervalJitter: 0.04,
 		// The kubelet's Lease is owned by its Node, so it goes with it.
 		MutateLeaseFunc: func(lease *coordinationv1.Lease) error {
+			if _, down := l.stopped.Load(lease.Name); down {
+				return errDown
+			}
 			if len(lease.OwnerReferences) == 0 {
 				if m := k.f.byName[lease.Name]; m != nil {
 					if uid := k.nodeUID(m); uid != "" {
@@ -66,7 +83,13 @@ func startLeases(ctx context.Context, k *kube) (*leases, error) {
 	if !cache.WaitForCacheSync(ctx.Done(), l.leases.HasSynced) {
 		return nil, fmt.Errorf("sync the Lease informer: %w", ctx.Err())
 	}
-	runCtx := kwoklog.NewContext(k.f.ctx, kwoklog.NewLogger(logfWriter(k.f.logf), kwoklog.LevelError))
+	// A down machine's renewal failing is how it is not sent: not logged.
+	quiet := logfWriter(func(format string, args ...any) {
+		if line := fmt.Sprintf(format, args...); !strings.Contains(line, errDown.Error()) {
+			k.f.logf("%s", line)
+		}
+	})
+	runCtx := kwoklog.NewContext(k.f.ctx, kwoklog.NewLogger(quiet, kwoklog.LevelError))
 	if err := ctl.Start(runCtx); err != nil {
 		return nil, err
 	}
@@ -77,13 +100,14 @@ func startLeases(ctx context.Context, k *kube) (*leases, error) {
 // (Spec.NodeLease zero) does nothing.
 func (l *leases) up(m *Machine) {
 	if l != nil {
-		l.ctl.TryHold(m.Name())
+		l.stopped.Delete(m.Name())
+		l.ctl.TryHold(m.Name()) // once: a held Lease is not queued again
 	}
 }
 
 func (l *leases) down(m *Machine) {
 	if l != nil {
-		l.ctl.ReleaseHold(m.Name())
+		l.stopped.Store(m.Name(), true)
 	}
 }
 
