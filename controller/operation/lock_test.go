@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -292,12 +291,10 @@ func waitGone(t *testing.T, ns, name string) {
 func TestJobHolder(t *testing.T) {
 	ctx := context.Background()
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	job := &batchv1.Job{ObjectMeta: metav1.ObjectMeta{Namespace: c.ns, Name: "cilium-helm"}, Spec: batchv1.JobSpec{
-		Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever,
-			Containers: []corev1.Container{{Name: "helm", Image: "helm"}}}}}}
-	if err := env.Client.Create(ctx, job); err != nil {
-		t.Fatal(err)
-	}
+	// Running until finishJob: a Job's pod on a simulated machine ends by
+	// itself after a few seconds, and the real Job controller would mark it
+	// Complete before the operation had waited for it.
+	job := c.runningJob("cilium-helm")
 	id := ichorv1.JobIdentity(c.ns, job.Name)
 	l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
 	if res, err := l.Acquire(ctx, lock.Request{Holder: lock.ForJob(job)}); err != nil || !res.Acquired {
