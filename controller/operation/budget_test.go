@@ -95,12 +95,7 @@ func TestWorkerDownBesideOneInFlightWaits(t *testing.T) {
 	})
 
 	clear := w2.Inject(sim.Fault{Kind: sim.FaultNoReturn})
-	tc, err := talosclient.New(ctx, talosclient.WithConfig(c.fleet.Talosconfig()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tc.Close()
-	if err := tc.Reboot(talosclient.WithNode(ctx, w2.Address())); err != nil {
+	if err := adminTalos(t, c.fleet).Reboot(talosclient.WithNode(ctx, w2.Address())); err != nil {
 		t.Fatalf("an operator's reboot of %s: %v", w2.Name(), err)
 	}
 	want := "waiting for workers to come back: 1 out of service (" + w2.Name() + ": NotReady) with maxUnavailable 1"

@@ -312,9 +312,11 @@ func TestConfigKilledAfterApply(t *testing.T) {
 		t.Run(string(tt.mode), func(t *testing.T) {
 			c := newCluster(t, sim.Cluster("", 1, 2))
 			c.create("san", configSpec(tt.mode, san))
-			kills, _ := c.killAfterEachStep("san", 10, func(s operation.StepRun) bool { return s.Step == executor.StepApply })
-			if len(kills) != len(c.fleet.Machines()) {
-				t.Errorf("killed after %q, want once after each machine's apply", kills)
+			killed := killAtEach(t, env.Client, keyOf(c.ns, "san"), 10, 2*time.Minute, func(_ *ichorv1.TalosOperation, s operation.StepRun) (string, bool) {
+				return s.Machine, s.Step == executor.StepApply
+			}, c.startKillable)
+			if len(killed) != len(c.fleet.Machines()) {
+				t.Errorf("killed after the apply of %v, want once after each machine's", killed)
 			}
 			rec := c.fleet.Recorder()
 			for _, m := range c.fleet.Machines() {

@@ -344,7 +344,7 @@ func keyOf(ns, name string) client.ObjectKey { return client.ObjectKey{Namespace
 // tried again (a hosted fleet's endpoint may be between API servers).
 func killInEachStage(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
 	t.Helper()
-	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, _ operation.StepRun) string { return op.Status.Stage }, start)
+	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, _ operation.StepRun) (string, bool) { return op.Status.Stage, true }, start)
 }
 
 // killAtEachStep is killInEachStage at every step boundary: each
@@ -353,16 +353,16 @@ func killInEachStage(t *testing.T, c client.Reader, key client.ObjectKey, most i
 // the steps killed after, as stage/step.
 func killAtEachStep(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
 	t.Helper()
-	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, s operation.StepRun) string {
-		return op.Status.Stage + "/" + s.Step
+	return killAtEach(t, c, key, most, each, func(op *ichorv1.TalosOperation, s operation.StepRun) (string, bool) {
+		return op.Status.Stage + "/" + s.Step, true
 	}, start)
 }
 
 // killAtEach runs controllers until the operation at key succeeds, each
-// killed right after a step run at a boundary (as boundary names it) no
-// controller was killed at yet.
+// killed right after a step run at a boundary (as boundary names it, for
+// the steps it says are one) no controller was killed at yet.
 func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, each time.Duration,
-	boundary func(op *ichorv1.TalosOperation, s operation.StepRun) string, start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
+	boundary func(op *ichorv1.TalosOperation, s operation.StepRun) (string, bool), start func(hook func(operation.StepRun)) *testcluster.Controller) map[string]bool {
 	t.Helper()
 	var mu sync.Mutex
 	killedAt := map[string]bool{}
@@ -372,6 +372,7 @@ func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, e
 		}
 		var killable atomic.Pointer[testcluster.Controller]
 		gone := make(chan struct{})
+		var once sync.Once
 		hook := func(s operation.StepRun) {
 			mu.Lock()
 			defer mu.Unlock()
@@ -379,12 +380,16 @@ func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, e
 				return
 			}
 			op := &ichorv1.TalosOperation{}
-			if err := c.Get(context.Background(), key, op); err != nil || killedAt[boundary(op, s)] {
+			if err := c.Get(context.Background(), key, op); err != nil {
 				return
 			}
-			killedAt[boundary(op, s)] = true
-			killable.Load().Kill()
-			close(gone)
+			if at, ok := boundary(op, s); ok && !killedAt[at] {
+				once.Do(func() { // a step in flight beside it may return after the kill
+					killedAt[at] = true
+					killable.Load().Kill()
+					close(gone)
+				})
+			}
 		}
 		killable.Store(start(hook))
 		done := false
@@ -411,62 +416,4 @@ func killAtEach(t *testing.T, c client.Reader, key client.ObjectKey, most int, e
 			return killedAt
 		}
 	}
-}
-
-// killAfterEachStep runs killable controllers one after another until the
-// operation name is done. Each is killed, as SIGKILL would, right after a
-// Run step that pick chooses has returned, before status records it; a
-// step is killed after once (the next controller runs it again, since its
-// end was not recorded, and must go on). It returns the steps killed after,
-// as machine/step, in order, and the finished operation; it fails the test
-// if the operation fails or more than limit controllers were needed.
-func (c *cluster) killAfterEachStep(name string, limit int, pick func(operation.StepRun) bool) ([]string, *ichorv1.TalosOperation) {
-	c.t.Helper()
-	var mu sync.Mutex
-	var kills []string
-	killed := map[string]bool{}
-	for restarts := 0; restarts <= limit; restarts++ {
-		var ctl atomic.Pointer[testcluster.Controller]
-		gone := make(chan struct{})
-		var once sync.Once
-		hook := func(s operation.StepRun) {
-			key := s.Machine + "/" + s.Step
-			mu.Lock()
-			defer mu.Unlock()
-			if s.Err != nil || killed[key] || !pick(s) {
-				return
-			}
-			once.Do(func() { // steps in flight beside it may return after the kill
-				killed[key] = true
-				kills = append(kills, key)
-				ctl.Load().Kill()
-				close(gone)
-			})
-		}
-		ctl.Store(testcluster.StartKillable(c.t, env.Config, app.Options{Namespace: c.ctrlNS, Executors: executor.Default(), TestHookAfterRun: hook}))
-		var op *ichorv1.TalosOperation
-		testenv.Eventually(c.t, 2*time.Minute, "the controller killed after a step, or the operation done", func(ctx context.Context) (bool, error) {
-			select {
-			case <-gone:
-				return true, nil
-			default:
-			}
-			op = &ichorv1.TalosOperation{}
-			if err := env.Client.Get(ctx, client.ObjectKey{Namespace: c.ns, Name: name}, op); err != nil {
-				return false, err
-			}
-			if op.Failed() {
-				return false, fmt.Errorf("the operation failed after %d kills: %s: %s", len(kills), op.Status.FailureReason, op.Status.Message)
-			}
-			return op.Succeeded(), nil
-		})
-		ctl.Load().Stop()
-		if op != nil && op.Succeeded() {
-			mu.Lock()
-			defer mu.Unlock()
-			return kills, op
-		}
-	}
-	c.t.Fatalf("%s not done after %d controllers", name, limit)
-	return nil, nil
 }

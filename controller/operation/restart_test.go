@@ -3,7 +3,6 @@ package operation_test
 import (
 	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +42,10 @@ func TestControllerRestarts(t *testing.T) {
 			}
 			c := newCluster(t, spec)
 			c.create("upgrade", talosSpec("v1.13.7"))
-			kills, op := c.killAfterEachStep("upgrade", 40, func(operation.StepRun) bool { return true })
+			killed := killAtEach(t, env.Client, keyOf(c.ns, "upgrade"), 40, 2*time.Minute, func(_ *ichorv1.TalosOperation, s operation.StepRun) (string, bool) {
+				return s.Machine + "/" + s.Step, true
+			}, c.startKillable)
+			op := c.get("upgrade")
 			rec := c.fleet.Recorder()
 			for _, m := range c.fleet.Machines() {
 				reboots := 0
@@ -60,12 +62,12 @@ func TestControllerRestarts(t *testing.T) {
 			// history of each machine's steps is in its status.
 			for _, m := range op.Status.Machines {
 				for _, step := range []string{executor.StepInspect, executor.StepCordon, executor.StepDrain, executor.StepInstall, executor.StepUncordon} {
-					if !slices.Contains(kills, m.Name+"/"+step) {
-						t.Errorf("no controller was killed after %s's %s; killed after %q", m.Name, step, kills)
+					if !killed[m.Name+"/"+step] {
+						t.Errorf("no controller was killed after %s's %s; killed after %v", m.Name, step, killed)
 					}
 				}
 			}
-			t.Logf("%d controllers killed after %q", len(kills), kills)
+			t.Logf("%d controllers killed after %v", len(killed), killed)
 		})
 	}
 }
