@@ -19,6 +19,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/watchlist"
 )
 
 // restartPodsStep restarts the machine's pods that hold a projected
@@ -87,7 +88,7 @@ type restartPod struct {
 // planRestart lists the machine's pods and sorts them: those to restart
 // (created before swapped; zero: whenever) and those to name.
 func planRestart(ctx context.Context, e *Env, swapped time.Time) (restartPlan, error) {
-	list, err := e.Clientset.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", e.Machine.Name).String()})
+	list, err := watchlist.Pods(ctx, e.Clientset.CoreV1().Pods(""), metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", e.Machine.Name).String()})
 	if err != nil {
 		return restartPlan{}, fmt.Errorf("list the pods of %s: %w", e.Machine.Name, err)
 	}
@@ -208,7 +209,7 @@ func restartInRounds(ctx context.Context, e *Env, rounds [][]restartPod) error {
 	report := newDrainReport(ctx, e, "restarting")
 	h := &drain.Helper{
 		Ctx:                             ctx,
-		Client:                          e.Clientset,
+		Client:                          watchlist.Clientset(e.Clientset),
 		GracePeriodSeconds:              -1,
 		EvictErrorRetryDelay:            5 * time.Second, // kubectl drain's pause when a budget refuses
 		Out:                             logWriter{e.Log},

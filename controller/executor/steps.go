@@ -15,6 +15,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/talos"
+	"maesh.dev/ichor/controller/watchlist"
 )
 
 // CordonedByAnnotation marks a Node that Ichor cordoned, with the lock
@@ -150,8 +151,8 @@ func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (t
 	report := newDrainReport(ctx, e, "draining")
 	h := &drain.Helper{
 		Ctx:                 dctx,
-		Client:              e.Clientset,
-		Force:               true, // bare pods would not survive the reboot either
+		Client:              watchlist.Clientset(e.Clientset), // no LIST of every pod per drain
+		Force:               true,                             // bare pods would not survive the reboot either
 		GracePeriodSeconds:  -1,
 		IgnoreAllDaemonSets: true,
 		DeleteEmptyDirData:  true,

@@ -23,6 +23,7 @@ import (
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/machineconfig"
 	"maesh.dev/ichor/controller/preflight"
+	"maesh.dev/ichor/controller/watchlist"
 )
 
 // facts gathers what preflight reads: the versions of the machines in scope
@@ -182,7 +183,8 @@ func (t *turn) storedObjects(ctx context.Context, api string) (int, error) {
 // `talosctl upgrade-k8s` detects it (preflight.RunningKubernetes): the
 // lowest image tag of the control-plane mirror pods (cached) and of
 // kube-proxy's DaemonSet (read live); while that DaemonSet rolls out, of its
-// pods too (listed live then only: 5,000 of them are not worth caching). The
+// pods too (read then only, as a watch-list: 5,000 of them are not worth
+// caching). The
 // control-plane kubelets stand in when neither runs.
 func (t *turn) controlPlaneVersion(ctx context.Context) (string, error) {
 	var pods corev1.PodList
@@ -200,8 +202,8 @@ func (t *turn) controlPlaneVersion(ctx context.Context) (string, error) {
 	case err != nil:
 		return "", fmt.Errorf("read kube-proxy's DaemonSet: %w", err)
 	case rollingOut(proxy):
-		var proxyPods corev1.PodList
-		if err := t.r.live().List(ctx, &proxyPods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": "kube-proxy"}); err != nil {
+		proxyPods, err := watchlist.Pods(ctx, t.r.Clientset.CoreV1().Pods("kube-system"), metav1.ListOptions{LabelSelector: "k8s-app=kube-proxy"})
+		if err != nil {
 			return "", fmt.Errorf("list kube-proxy's pods: %w", err)
 		}
 		pods.Items = append(pods.Items, proxyPods.Items...)

@@ -352,10 +352,12 @@ func TestDrainWaitsForBudget(t *testing.T) {
 	c.setCordon(w2, false)
 	c.setCordon(w3, false)
 	ready := c.followReadiness("web")
-	c.start()
+	since := time.Now()
+	c.start(as(testenv.AuditedUser, "system:masters"))
 	messages := c.watchMessages("reboot", w1)
 	c.create("reboot", rebootSpec(w1))
 	c.waitSucceeded("reboot", 2*time.Minute)
+	noPodLists(t, since)
 
 	// The budget's expected pods may count the first eviction's replacement
 	// before it is Ready (1 of 3), or not yet (1 of 2): what matters is that
@@ -376,6 +378,31 @@ func TestDrainWaitsForBudget(t *testing.T) {
 		if p.Spec.NodeName == w1 {
 			t.Errorf("pod %s is back on the drained %s", p.Name, w1)
 		}
+	}
+}
+
+// noPodLists fails t if the controller, running as testenv.AuditedUser,
+// sent a LIST of pods since: a drain reads the machine's pods as a
+// watch-list (a watch of every namespace's), which the API server answers
+// from its watch cache.
+func noPodLists(t *testing.T, since time.Time) {
+	t.Helper()
+	reqs, err := env.AuditedRequests()
+	if err != nil {
+		t.Fatal(err)
+	}
+	watched := false
+	for _, r := range reqs {
+		if r.Resource != "pods" || r.At.Before(since) {
+			continue
+		}
+		if r.Verb == "list" {
+			t.Errorf("the controller listed pods (namespace %q) at %s: a drain reads a machine's pods as a watch-list", r.Namespace, r.At)
+		}
+		watched = watched || r.Verb == "watch" && r.Namespace == ""
+	}
+	if !watched {
+		t.Error("the controller never watched the pods of every namespace: did the drain read the machine's pods?")
 	}
 }
 
