@@ -166,7 +166,7 @@ func secretsVersion(pod *corev1.Pod) string {
 
 // apiServerPod is the machine's kube-apiserver mirror pod, or nil.
 func apiServerPod(ctx context.Context, e *Env) (*corev1.Pod, error) {
-	pods, err := mirrorPods(ctx, e, k8s.APIServerID)
+	pods, err := mirrorPods(ctx, e.Live, e, k8s.APIServerID)
 	if err != nil || len(pods) == 0 {
 		return nil, err
 	}
@@ -174,11 +174,13 @@ func apiServerPod(ctx context.Context, e *Env) (*corev1.Pod, error) {
 }
 
 // mirrorPods are the machine's mirror pods of a control-plane component,
-// read live (the cached mirror pods have no index on spec.nodeName).
-func mirrorPods(ctx context.Context, e *Env, component string) ([]corev1.Pod, error) {
+// as r has them: the cache (it holds every control-plane mirror pod, so
+// the machine's are filtered here) for a wait that looks again every
+// second; the API server for a rotation's stages, whose moments a cache
+// that lags could blur.
+func mirrorPods(ctx context.Context, r client.Reader, e *Env, component string) ([]corev1.Pod, error) {
 	var pods corev1.PodList
-	if err := e.Live.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": component},
-		client.MatchingFields{"spec.nodeName": e.Machine.Name}); err != nil {
+	if err := r.List(ctx, &pods, client.InNamespace("kube-system"), client.MatchingLabels{"k8s-app": component}); err != nil {
 		return nil, fmt.Errorf("read the %s mirror pod of %s: %w", component, e.Machine.Name, err)
 	}
 	out := pods.Items[:0]

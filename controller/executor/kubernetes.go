@@ -362,7 +362,7 @@ func podReadyStep(component string, c staticPodComponent) Step {
 			return false, Outcome{Message: fmt.Sprintf("waiting for Talos to render %s %s (it renders %s)", component, version, tag), Recheck: time.Second}, nil
 		}
 		want := r.Metadata().Version().String()
-		pods, err := mirrorPods(ctx, e, component)
+		pods, err := mirrorPods(ctx, e.Kube, e, component)
 		if err != nil {
 			return false, Outcome{}, err
 		}
