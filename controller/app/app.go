@@ -319,8 +319,9 @@ func cacheOptions(ns string) cache.Options {
 			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{ns: {}}},
 			&corev1.Node{}:          {Transform: slimNode},
 			// Only the control-plane static pods, whose image tags are the
-			// control plane's Kubernetes version; drains list pods live,
-			// and so does preflight kube-proxy's pods, one per machine.
+			// control plane's Kubernetes version; drains read a machine's
+			// pods from the API server (a watch-list), and so does preflight
+			// kube-proxy's pods, one per machine.
 			&corev1.Pod{}: {
 				Namespaces: map[string]cache.Config{"kube-system": {}},
 				Label:      controlPlanePods,
