@@ -3,6 +3,7 @@ package operation_test
 import (
 	"cmp"
 	"context"
+	"errors"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -905,8 +906,11 @@ func (c *cluster) podOnEachMachine(b *testing.B) {
 		zero := int64(0)
 		testenv.Eventually(b, 10*time.Minute, "the pods on the machines to be gone", func(ctx context.Context) (bool, error) {
 			err := env.Client.DeleteAllOf(ctx, &corev1.Pod{}, client.InNamespace(c.ns), client.GracePeriodSeconds(zero))
-			if apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err) {
-				return false, nil // the API server goes on deleting them; ask again
+			var status apierrors.APIStatus
+			if apierrors.IsTimeout(err) || apierrors.IsServerTimeout(err) || err != nil && !errors.As(err, &status) {
+				// The API server goes on deleting them (a deletion past its
+				// request timeout ends in a stream reset): ask again.
+				return false, nil
 			}
 			if err != nil {
 				return false, err
