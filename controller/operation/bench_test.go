@@ -3,8 +3,8 @@ package operation_test
 import (
 	"cmp"
 	"context"
-	"errors"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
