@@ -109,7 +109,7 @@ func (CARotation) Target(op *ichorv1.TalosOperation) (string, string) {
 
 // Scope implements Executor: every machine, or one left out would be locked
 // out at the drop.
-func (CARotation) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (CARotation) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, errors.New("spec.machines: a CA rotation changes every machine (one left out would refuse the new certificates); remove spec.machines")
 	}

@@ -93,7 +93,7 @@ func chartVersion(op *ichorv1.TalosOperation) string {
 }
 
 // Scope implements Executor: the whole cluster.
-func (CNIChange) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (CNIChange) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, errors.New("spec.machines: a cni operation changes the whole cluster's network; remove spec.machines")
 	}
@@ -232,9 +232,9 @@ func andList(items []string) string {
 }
 
 func nodeAddress(e *Env, name string) string {
-	for i := range e.Nodes {
-		if e.Nodes[i].Name == name {
-			return machine.Address(&e.Nodes[i])
+	for _, n := range e.Nodes {
+		if n.Name == name {
+			return machine.Address(n)
 		}
 	}
 	return ""

@@ -66,7 +66,7 @@ func (*ConfigRollout) Target(op *ichorv1.TalosOperation) (string, string) {
 }
 
 // Scope implements Executor: every selected machine.
-func (*ConfigRollout) Scope(_ *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (*ConfigRollout) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	return nodes, nil
 }
 

@@ -61,10 +61,10 @@ func (EtcdRestore) Target(op *ichorv1.TalosOperation) (string, string) {
 
 // Scope implements Executor: the recovering control plane, the one named
 // or else the first by name.
-func (EtcdRestore) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
-	var cps []corev1.Node
+func (EtcdRestore) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
+	var cps []*corev1.Node
 	for _, n := range nodes {
-		if machine.Role(&n) == ichorv1.RoleControlPlane {
+		if machine.Role(n) == ichorv1.RoleControlPlane {
 			cps = append(cps, n)
 		}
 	}
@@ -78,7 +78,7 @@ func (EtcdRestore) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]cor
 	}
 	for _, n := range cps {
 		if n.Name == name {
-			return []corev1.Node{n}, nil
+			return []*corev1.Node{n}, nil
 		}
 	}
 	for _, n := range nodes {
@@ -121,8 +121,8 @@ func (EtcdRestore) Check(ctx context.Context, e *Env) []string {
 // controllerOnControlPlane names the control plane the controller's pod
 // runs on (Controller.Node, the downward API's), or "".
 func controllerOnControlPlane(e *Env) string {
-	for i := range e.Nodes {
-		if n := &e.Nodes[i]; n.Name == e.Controller.Node && machine.Role(n) == ichorv1.RoleControlPlane {
+	for _, n := range e.Nodes {
+		if n.Name == e.Controller.Node && machine.Role(n) == ichorv1.RoleControlPlane {
 			return n.Name
 		}
 	}

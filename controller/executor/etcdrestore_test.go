@@ -282,14 +282,14 @@ func checkS3(t *testing.T, ctx context.Context, kc kubernetes.Interface, snap st
 // TestEtcdRestoreScope: the recovering machine is the named control plane,
 // or the first by name; a worker or a machine that is not a Node is refused.
 func TestEtcdRestoreScope(t *testing.T) {
-	node := func(name string, cp bool) corev1.Node {
-		n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
+	node := func(name string, cp bool) *corev1.Node {
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
 		if cp {
 			n.Labels[ichorv1.ControlPlaneLabel] = ""
 		}
 		return n
 	}
-	nodes := []corev1.Node{node("w-1", false), node("cp-2", true), node("cp-1", true), node("cp-3", true)}
+	nodes := []*corev1.Node{node("w-1", false), node("cp-2", true), node("cp-1", true), node("cp-3", true)}
 	for machine, want := range map[string]string{
 		"":      "cp-1",
 		"cp-3":  "cp-3",
@@ -311,7 +311,7 @@ func TestEtcdRestoreScope(t *testing.T) {
 		}
 	}
 	if _, err := (executor.EtcdRestore{}).Scope(&ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{EtcdRestore: &ichorv1.EtcdRestore{}}},
-		[]corev1.Node{node("w-1", false)}); err == nil || !strings.Contains(err.Error(), "no control plane") {
+		[]*corev1.Node{node("w-1", false)}); err == nil || !strings.Contains(err.Error(), "no control plane") {
 		t.Errorf("workers only: %v", err)
 	}
 }
@@ -320,7 +320,7 @@ func TestEtcdRestoreScope(t *testing.T) {
 // runs on a control plane (the downward API's node name) is refused, with
 // what to do; one on a worker, or outside a pod, goes on to the snapshot.
 func TestEtcdRestoreRefusesControllerOnControlPlane(t *testing.T) {
-	nodes := []corev1.Node{
+	nodes := []*corev1.Node{
 		{ObjectMeta: metav1.ObjectMeta{Name: "cp-1", Labels: map[string]string{ichorv1.ControlPlaneLabel: ""}}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "w-1"}},
 	}

@@ -35,7 +35,7 @@ type Executor interface {
 	Target(op *ichorv1.TalosOperation) (summary, to string)
 	// Scope picks the machines the operation works on from the Nodes that
 	// spec.machines selects. An error refuses the operation.
-	Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error)
+	Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error)
 	// HonourHold says whether the upgrade-hold annotation skips machines.
 	HonourHold() bool
 	// Check returns the kind's own refusals (besides the version preflight),
@@ -135,7 +135,7 @@ type Env struct {
 	Log      logr.Logger
 	// Nodes are every Node of the cluster, as the cache has them (read-only):
 	// for cluster-wide steps, which change every machine.
-	Nodes []corev1.Node
+	Nodes []*corev1.Node
 	// Live reads from and writes to the API server, not the cache: for
 	// objects the controller does not cache (DaemonSets, ConfigMaps).
 	Live client.Client

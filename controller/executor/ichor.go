@@ -53,16 +53,16 @@ func (IchorUpgrade) Target(op *ichorv1.TalosOperation) (string, string) {
 
 // Scope implements Executor: one entry, the first control plane, whose
 // steps are the cluster-wide ones.
-func (IchorUpgrade) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (IchorUpgrade) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, errors.New("spec.machines: an ichor operation upgrades Ichor, not machines; remove spec.machines")
 	}
 	if len(nodes) == 0 {
 		return nil, nil
 	}
-	sorted := append([]corev1.Node(nil), nodes...)
+	sorted := append([]*corev1.Node(nil), nodes...)
 	sort.SliceStable(sorted, func(i, j int) bool {
-		ci, cj := machine.Role(&sorted[i]) == ichorv1.RoleControlPlane, machine.Role(&sorted[j]) == ichorv1.RoleControlPlane
+		ci, cj := machine.Role(sorted[i]) == ichorv1.RoleControlPlane, machine.Role(sorted[j]) == ichorv1.RoleControlPlane
 		if ci != cj {
 			return ci
 		}

@@ -57,17 +57,17 @@ func (KeyRotation) Target(op *ichorv1.TalosOperation) (string, string) {
 
 // Scope implements Executor: the control planes, which hold the keys, and,
 // when the workloads restart, the workers too (their pods restart).
-func (KeyRotation) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (KeyRotation) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, errors.New("spec.machines: a key rotation changes every control plane (the API servers must agree on the keys); remove spec.machines")
 	}
 	if op.Spec.KeyRotation.Restarts() {
 		return nodes, nil
 	}
-	var out []corev1.Node
-	for i := range nodes {
-		if machine.Role(&nodes[i]) == ichorv1.RoleControlPlane {
-			out = append(out, nodes[i])
+	var out []*corev1.Node
+	for _, n := range nodes {
+		if machine.Role(n) == ichorv1.RoleControlPlane {
+			out = append(out, n)
 		}
 	}
 	return out, nil

@@ -225,8 +225,8 @@ func saChecks(ctx context.Context, e *Env) []string {
 	if len(e.ControlPlanes) == 0 || e.Address != e.ControlPlanes[0] {
 		return nil
 	}
-	for i := range e.Nodes {
-		if machine.Role(&e.Nodes[i]) == ichorv1.RoleControlPlane && !machine.Ready(&e.Nodes[i]) {
+	for _, n := range e.Nodes {
+		if machine.Role(n) == ichorv1.RoleControlPlane && !machine.Ready(n) {
 			return nil
 		}
 	}

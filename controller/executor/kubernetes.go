@@ -84,7 +84,7 @@ func kubernetesVersion(op *ichorv1.TalosOperation) string {
 }
 
 // Scope implements Executor: the whole cluster.
-func (KubernetesUpgrade) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (KubernetesUpgrade) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, errors.New("spec.machines: a kubernetes upgrade moves the whole cluster; remove spec.machines")
 	}

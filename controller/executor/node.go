@@ -50,11 +50,11 @@ func (NodeAction) Target(op *ichorv1.TalosOperation) (string, string) {
 }
 
 // Scope implements Executor: the one machine named.
-func (NodeAction) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (NodeAction) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	name := op.Spec.Node.Machine
 	for _, n := range nodes {
 		if n.Name == name {
-			return []corev1.Node{n}, nil
+			return []*corev1.Node{n}, nil
 		}
 	}
 	return nil, errors.New(ichorv1.MachineNotANode(name, op.Spec.Machines != nil))

@@ -82,12 +82,11 @@ func force(op *ichorv1.TalosOperation) bool { return op.Spec.Shutdown != nil && 
 
 // Scope implements Executor: the whole cluster. Stopping some machines is
 // the node kind's shutdown.
-func (ClusterShutdown) Scope(op *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (ClusterShutdown) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	if op.Spec.Machines != nil {
 		return nil, fmt.Errorf("spec.machines: a shutdown stops the whole cluster; remove spec.machines (to stop some machines, use kind node with action shutdown)")
 	}
-	for i := range nodes {
-		n := &nodes[i]
+	for _, n := range nodes {
 		if _, held := n.Annotations[ichorv1.UpgradeHoldAnnotation]; held && machine.Role(n) == ichorv1.RoleControlPlane {
 			return nil, fmt.Errorf("control plane %s carries %s, but a shutdown stops every control plane together, in one call: "+
 				"remove the annotation (`kubectl annotate node %s %s-`) to shut the cluster down", n.Name, ichorv1.UpgradeHoldAnnotation, n.Name, ichorv1.UpgradeHoldAnnotation)
@@ -322,8 +321,8 @@ func cameBack(e *Env) metav1.Condition {
 		at = c.LastTransitionTime
 	}
 	byName := map[string]*corev1.Node{}
-	for i := range e.Nodes {
-		byName[e.Nodes[i].Name] = &e.Nodes[i]
+	for _, n := range e.Nodes {
+		byName[n.Name] = n
 	}
 	var missing []string
 	ms := e.Op.Status.Machines

@@ -78,8 +78,8 @@ func TestShutdownStages(t *testing.T) {
 // TestShutdownScope: the whole cluster, and nothing else: a selector or a
 // held control plane (they all stop together) refuses it, saying what to do.
 func TestShutdownScope(t *testing.T) {
-	node := func(name string, cp, held bool) corev1.Node {
-		n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}, Annotations: map[string]string{}}}
+	node := func(name string, cp, held bool) *corev1.Node {
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}, Annotations: map[string]string{}}}
 		if cp {
 			n.Labels["node-role.kubernetes.io/control-plane"] = ""
 		}
@@ -89,10 +89,10 @@ func TestShutdownScope(t *testing.T) {
 		return n
 	}
 	op := &ichorv1.TalosOperation{Spec: ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown}}
-	if got, err := (ClusterShutdown{}).Scope(op, []corev1.Node{node("cp", true, false), node("w", false, true)}); err != nil || len(got) != 2 {
+	if got, err := (ClusterShutdown{}).Scope(op, []*corev1.Node{node("cp", true, false), node("w", false, true)}); err != nil || len(got) != 2 {
 		t.Errorf("a held worker: %d machines, %v", len(got), err)
 	}
-	if _, err := (ClusterShutdown{}).Scope(op, []corev1.Node{node("cp", true, true)}); err == nil || !strings.Contains(err.Error(), "kubectl annotate node cp "+ichorv1.UpgradeHoldAnnotation+"-") {
+	if _, err := (ClusterShutdown{}).Scope(op, []*corev1.Node{node("cp", true, true)}); err == nil || !strings.Contains(err.Error(), "kubectl annotate node cp "+ichorv1.UpgradeHoldAnnotation+"-") {
 		t.Errorf("a held control plane: %v", err)
 	}
 	op.Spec.Machines = &metav1.LabelSelector{}
@@ -106,13 +106,13 @@ func TestShutdownScope(t *testing.T) {
 // before it.
 func TestCameBack(t *testing.T) {
 	ended := metav1.NewTime(time.Now().Add(-time.Minute))
-	ready := func(name string, at time.Time) corev1.Node {
-		return corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{
+	ready := func(name string, at time.Time) *corev1.Node {
+		return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{
 			{Type: corev1.NodeReady, Status: corev1.ConditionTrue, LastHeartbeatTime: metav1.NewTime(at), LastTransitionTime: metav1.NewTime(at)}}}}
 	}
 	op := &ichorv1.TalosOperation{Status: ichorv1.TalosOperationStatus{CompletionTime: &ended,
 		Machines: []ichorv1.MachineStatus{{Name: "cp"}, {Name: "w1"}, {Name: "w2"}}}}
-	e := &Env{Op: op, Nodes: []corev1.Node{ready("cp", time.Now()), ready("w1", ended.Add(-time.Second))}}
+	e := &Env{Op: op, Nodes: []*corev1.Node{ready("cp", time.Now()), ready("w1", ended.Add(-time.Second))}}
 	c := cameBack(e)
 	if c.Reason != ReasonMachinesMissing || !strings.Contains(c.Message, "1/3 machines back") || !strings.HasSuffix(c.Message, "w1, w2") {
 		t.Errorf("first look: %s %s", c.Reason, c.Message)
@@ -120,7 +120,7 @@ func TestCameBack(t *testing.T) {
 	first := metav1.NewTime(time.Now().Add(-10 * time.Second).Truncate(time.Second))
 	c.LastTransitionTime = first
 	op.Status.Conditions = []metav1.Condition{c}
-	e.Nodes = []corev1.Node{ready("cp", time.Now()), ready("w1", time.Now()), ready("w2", time.Now())}
+	e.Nodes = []*corev1.Node{ready("cp", time.Now()), ready("w1", time.Now()), ready("w2", time.Now())}
 	c = cameBack(e)
 	if c.Reason != ReasonAllMachinesBack || !c.LastTransitionTime.Equal(&first) || !strings.Contains(c.Message, first.UTC().Format(time.RFC3339)) {
 		t.Errorf("all back: %s %s at %s, want the first time %s", c.Reason, c.Message, c.LastTransitionTime, first)

@@ -53,7 +53,7 @@ func (TalosUpgrade) Target(op *ichorv1.TalosOperation) (string, string) {
 }
 
 // Scope implements Executor: every selected machine.
-func (TalosUpgrade) Scope(_ *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (TalosUpgrade) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	return nodes, nil
 }
 

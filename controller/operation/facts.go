@@ -34,8 +34,7 @@ func (t *turn) facts(ctx context.Context) (preflight.Cluster, error) {
 	for _, m := range t.op.Status.Machines {
 		inScope[m.Name] = true
 	}
-	for i := range t.nodes {
-		n := &t.nodes[i]
+	for _, n := range t.nodes {
 		pm := preflight.Machine{Name: n.Name, Role: machine.Role(n), Talos: machine.TalosVersion(n), Kubelet: machine.KubeletVersion(n)}
 		if inScope[n.Name] {
 			c.Machines = append(c.Machines, pm)
@@ -116,8 +115,7 @@ func (t *turn) configuredFacts(ctx context.Context, c *preflight.Cluster) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	slots := make(chan struct{}, kindCheckers)
-	for i := range t.nodes {
-		n := &t.nodes[i]
+	for _, n := range t.nodes {
 		if !inScope[n.Name] && machine.Role(n) != ichorv1.RoleControlPlane {
 			continue
 		}
@@ -212,9 +210,9 @@ func (t *turn) controlPlaneVersion(ctx context.Context) (string, error) {
 		return v, nil
 	}
 	var versions []string
-	for i := range t.nodes {
-		if machine.Role(&t.nodes[i]) == ichorv1.RoleControlPlane {
-			versions = append(versions, machine.KubeletVersion(&t.nodes[i]))
+	for _, n := range t.nodes {
+		if machine.Role(n) == ichorv1.RoleControlPlane {
+			versions = append(versions, machine.KubeletVersion(n))
 		}
 	}
 	return preflight.LowestVersion(versions), nil

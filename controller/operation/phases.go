@@ -366,8 +366,7 @@ func (t *turn) outOfService(ctx context.Context) map[string]plan.Out {
 		}
 	}
 	out := map[string]plan.Out{}
-	for i := range t.nodes {
-		n := &t.nodes[i]
+	for _, n := range t.nodes {
 		if machine.Role(n) != ichorv1.RoleWorker || stoppedHere[n.Name] {
 			continue
 		}
@@ -598,11 +597,11 @@ func (t *turn) uncordon(ctx context.Context, why string) error {
 		return nil
 	}
 	if t.nodes == nil {
-		var nodes corev1.NodeList
-		if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
-			return fmt.Errorf("list nodes: %w", err)
+		nodes, err := t.r.nodes.list(ctx)
+		if err != nil {
+			return err
 		}
-		t.nodes = nodes.Items
+		t.nodes = nodes
 	}
 	for _, m := range t.op.Status.Machines {
 		if err := t.uncordonMachine(ctx, m, why); err != nil {

@@ -87,7 +87,7 @@ func TestSchedules(t *testing.T) {
 type scheduleRun struct {
 	r         *Reconciler
 	persisted *ichorv1.TalosOperation
-	nodes     []corev1.Node
+	nodes     []*corev1.Node
 	log       *strings.Builder
 	waits     map[string]bool
 }
@@ -111,7 +111,7 @@ func (sc schedule) play(t *testing.T) string {
 		if i < sc.controlPlanes {
 			name, labels = fmt.Sprintf("cp%d", i+1), map[string]string{ichorv1.ControlPlaneLabel: ""}
 		}
-		n := corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
 		n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
 		for _, h := range sc.held {
 			if h == name {
@@ -200,7 +200,7 @@ type scheduleExec struct{ s *scheduleRun }
 func (scheduleExec) Target(*ichorv1.TalosOperation) (string, string) {
 	return "talos v1.13.7", "v1.13.7"
 }
-func (scheduleExec) Scope(_ *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (scheduleExec) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	return nodes, nil
 }
 func (scheduleExec) HonourHold() bool                              { return true }

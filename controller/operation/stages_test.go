@@ -36,7 +36,7 @@ var stagedStages = []ichorv1.StageStatus{
 }
 
 func (staged) Target(*ichorv1.TalosOperation) (string, string) { return "three stages", "" }
-func (staged) Scope(_ *ichorv1.TalosOperation, nodes []corev1.Node) ([]corev1.Node, error) {
+func (staged) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*corev1.Node, error) {
 	return nodes, nil
 }
 func (staged) HonourHold() bool                              { return true }

@@ -11,7 +11,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
@@ -44,7 +43,7 @@ type turn struct {
 	exec executor.Executor
 	// nodes are every Node as the cache has them (the cache's own objects:
 	// read-only), listed by prepare.
-	nodes []corev1.Node
+	nodes []*corev1.Node
 	// byName and cps index nodes; node and controlPlanes build them on first use.
 	byName map[string]*corev1.Node
 	cps    []string
@@ -100,12 +99,11 @@ func (t *turn) prepare(ctx context.Context) (bool, error) {
 		// spec.override was set on a refused operation: check it again and run it that way.
 		setChecks(op, nil, false)
 	}
-	var nodes corev1.NodeList
-	// Read-only: the cache's own objects, not 5,000 copies per turn.
-	if err := t.r.Client.List(ctx, &nodes, client.UnsafeDisableDeepCopy); err != nil {
-		return true, fmt.Errorf("list nodes: %w", err)
+	nodes, err := t.r.nodes.list(ctx)
+	if err != nil {
+		return true, err
 	}
-	t.nodes = nodes.Items
+	t.nodes = nodes
 	if !t.started() {
 		if err := t.plan(); err != nil {
 			t.refuse([]preflight.Failure{{Check: preflight.MachinesInScope, Message: err.Error()}})
@@ -151,8 +149,7 @@ func (t *turn) plan() error {
 		self = t.r.Controller.Node
 	}
 	ms := make([]plan.Machine, 0, len(inScope))
-	for i := range inScope {
-		n := &inScope[i]
+	for _, n := range inScope {
 		m := plan.Machine{Name: n.Name, Role: machine.Role(n), Labels: n.Labels, Annotations: n.Annotations, Last: self != "" && n.Name == self}
 		// From is a version only for kinds that move machines to one; the
 		// others leave it to their steps (a config rollout keeps status
@@ -171,7 +168,7 @@ func (t *turn) plan() error {
 	return nil
 }
 
-func (t *turn) selected() ([]corev1.Node, error) {
+func (t *turn) selected() ([]*corev1.Node, error) {
 	if t.op.Spec.Machines == nil {
 		return t.nodes, nil
 	}
@@ -179,7 +176,7 @@ func (t *turn) selected() ([]corev1.Node, error) {
 	if err != nil {
 		return nil, fmt.Errorf("spec.machines: %w", err)
 	}
-	var out []corev1.Node
+	var out []*corev1.Node
 	for _, n := range t.nodes {
 		if sel.Matches(labels.Set(n.Labels)) {
 			out = append(out, n)
@@ -192,8 +189,8 @@ func (t *turn) selected() ([]corev1.Node, error) {
 func (t *turn) node(name string) *corev1.Node {
 	if t.byName == nil {
 		t.byName = make(map[string]*corev1.Node, len(t.nodes))
-		for i := range t.nodes {
-			t.byName[t.nodes[i].Name] = &t.nodes[i]
+		for _, n := range t.nodes {
+			t.byName[n.Name] = n
 		}
 	}
 	return t.byName[name]
@@ -205,9 +202,9 @@ func (t *turn) controlPlanes() []string {
 		return t.cps
 	}
 	t.cps = []string{}
-	for i := range t.nodes {
-		if machine.Role(&t.nodes[i]) == ichorv1.RoleControlPlane {
-			if a := machine.Address(&t.nodes[i]); a != "" {
+	for _, n := range t.nodes {
+		if machine.Role(n) == ichorv1.RoleControlPlane {
+			if a := machine.Address(n); a != "" {
 				t.cps = append(t.cps, a)
 			}
 		}
