@@ -504,6 +504,9 @@ func statusWrites(b *testing.B, machines int) {
 	if err := env.Client.Create(ctx, op); err != nil {
 		b.Fatal(err)
 	}
+	// Gone before the next benchmark's controller starts: it would take
+	// this operation up (no controller has put its finalizer on it).
+	b.Cleanup(func() { _ = env.Client.Delete(context.Background(), op) })
 	for i := range machines {
 		op.Status.Machines = append(op.Status.Machines, ichorv1.MachineStatus{Name: fmt.Sprintf("sim-w-%d", i),
 			Role: ichorv1.RoleWorker, Phase: ichorv1.MachinePending, From: "v1.13.2", To: "v1.13.7"})
