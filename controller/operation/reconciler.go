@@ -62,7 +62,7 @@ type Reconciler struct {
 	TestHookAfterRun func(StepRun)
 
 	runner *runner
-	nodes  nodeReader
+	nodes  *nodeReader
 	// superseded holds, per operation, the resourceVersions this controller
 	// has itself replaced by writing: a cache that still shows one of them is
 	// stale, and reconciling it would only end in a conflict (and backoff).

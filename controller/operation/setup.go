@@ -2,7 +2,6 @@ package operation
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"time"
 
@@ -11,7 +10,6 @@ import (
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
-	toolscache "k8s.io/client-go/tools/cache"
 	"k8s.io/kubectl/pkg/util/podutils"
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
@@ -46,12 +44,7 @@ func (r *Reconciler) SetupWithManager(mgr ctrl.Manager) error {
 	}
 	reader := client.Reader(mgr.GetClient())
 	phases.client.Store(&reader)
-	r.nodes = nodeReader{client: reader}
-	if inf, err := mgr.GetCache().GetInformer(context.Background(), &corev1.Node{}); err != nil {
-		return fmt.Errorf("the Node informer: %w", err)
-	} else if s, ok := inf.(toolscache.SharedInformer); ok {
-		r.nodes.store = s.GetStore()
-	}
+	r.nodes = &nodeReader{client: reader, informers: mgr.GetCache()}
 	ns := r.Lock.Namespace
 	inNamespace := func(name string) predicate.Funcs {
 		return predicate.NewPredicateFuncs(func(o client.Object) bool { return o.GetNamespace() == ns && o.GetName() == name })
