@@ -596,12 +596,8 @@ func (t *turn) uncordon(ctx context.Context, why string) error {
 	if t.exec == nil {
 		return nil
 	}
-	if t.nodes == nil {
-		nodes, err := t.r.nodes.list(ctx)
-		if err != nil {
-			return err
-		}
-		t.nodes = nodes
+	if err := t.loadNodes(ctx); err != nil {
+		return err
 	}
 	for _, m := range t.op.Status.Machines {
 		if err := t.uncordonMachine(ctx, m, why); err != nil {

@@ -99,11 +99,9 @@ func (t *turn) prepare(ctx context.Context) (bool, error) {
 		// spec.override was set on a refused operation: check it again and run it that way.
 		setChecks(op, nil, false)
 	}
-	nodes, err := t.r.nodes.list(ctx)
-	if err != nil {
+	if err := t.loadNodes(ctx); err != nil {
 		return true, err
 	}
-	t.nodes = nodes
 	if !t.started() {
 		if err := t.plan(); err != nil {
 			t.refuse([]preflight.Failure{{Check: preflight.MachinesInScope, Message: err.Error()}})
@@ -183,6 +181,19 @@ func (t *turn) selected() ([]*corev1.Node, error) {
 		}
 	}
 	return out, nil
+}
+
+// loadNodes reads every Node into t.nodes, once a turn.
+func (t *turn) loadNodes(ctx context.Context) error {
+	if t.nodes != nil {
+		return nil
+	}
+	nodes, err := t.r.nodes.list(ctx)
+	if err != nil {
+		return err
+	}
+	t.nodes = nodes
+	return nil
 }
 
 // node returns the machine's Node (nil if gone), from an index built once per turn.
