@@ -526,7 +526,7 @@ func (t *turn) reconcileDelete(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	r.runner.forget(op.UID)
-	r.superseded.Delete(op.UID)
+	r.written.forget(op.UID)
 	op = t.op.DeepCopy()
 	controllerutil.RemoveFinalizer(op, ichorv1.Finalizer)
 	return ctrl.Result{}, client.IgnoreNotFound(r.Client.Update(ctx, op))

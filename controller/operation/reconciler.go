@@ -12,7 +12,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -63,11 +62,9 @@ type Reconciler struct {
 
 	runner *runner
 	nodes  *nodeReader
-	// superseded holds, per operation, the resourceVersions this controller
-	// has itself replaced by writing: a cache that still shows one of them is
-	// stale, and reconciling it would only end in a conflict (and backoff).
-	// The watch event of the write brings the operation back anyway.
-	superseded sync.Map // types.UID -> string
+	// written is each operation as this controller last wrote it: a turn
+	// works from it while the cache still shows a version it replaced.
+	written ownWrites
 }
 
 func (r *Reconciler) now() time.Time {
@@ -89,9 +86,7 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	if err := r.Client.Get(ctx, req.NamespacedName, op); err != nil {
 		return ctrl.Result{}, client.IgnoreNotFound(err)
 	}
-	if v, ok := r.superseded.Load(op.UID); ok && v.(string) == op.ResourceVersion {
-		return ctrl.Result{}, nil
-	}
+	op = r.written.latest(op)
 	if tk := r.Controller.Takeover; tk != nil && tk.Owns(req.NamespacedName) {
 		// An etcd restore carried on outside the driver: its status here
 		// is from before, or from a store about to be rewound. The
@@ -111,7 +106,13 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 		// finalizer, and its place in the queue for the cluster lock.
 		lock.RecordArrival(op)
 		controllerutil.AddFinalizer(op, ichorv1.Finalizer)
-		return ctrl.Result{}, r.Client.Update(ctx, op)
+		before := op.ResourceVersion
+		if err := r.Client.Update(ctx, op); err != nil {
+			r.written.failed(op.UID, err)
+			return ctrl.Result{}, err
+		}
+		r.written.wrote(before, op)
+		return ctrl.Result{}, nil
 	case over(op):
 		return t.reconcileOver(ctx)
 	case cancelRequested(op):
@@ -181,13 +182,14 @@ func (t *turn) write(ctx context.Context) error {
 		before := t.op.ResourceVersion
 		if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
 			t.canLaunch = false
+			t.r.written.failed(t.op.UID, err)
 			return fmt.Errorf("write status: %w", err)
 		}
 		statusWrites.Inc()
-		t.r.superseded.Store(t.op.UID, before)
 		// What was just written is persisted: steps it records may start
 		// now, without waiting for the write to come back through the watch.
 		t.persisted = t.op.DeepCopy()
+		t.r.written.wrote(before, t.persisted)
 	}
 	for _, e := range t.events {
 		e()
@@ -219,9 +221,10 @@ func (t *turn) removeRequests(ctx context.Context) error {
 	}
 	before := t.op.ResourceVersion
 	if err := t.r.Client.Patch(ctx, t.op, client.RawPatch(types.MergePatchType, patch)); err != nil {
+		t.r.written.failed(t.op.UID, err)
 		return fmt.Errorf("remove the annotations of the requests acted on: %w", err)
 	}
-	t.r.superseded.Store(t.op.UID, before)
+	t.r.written.wrote(before, t.op.DeepCopy())
 	if t.op.Status.RetryConsumed {
 		// The request is gone: a retry annotation from now on is a new one.
 		return t.clearRetryConsumed(ctx)
@@ -234,11 +237,12 @@ func (t *turn) clearRetryConsumed(ctx context.Context) error {
 	before := t.op.ResourceVersion
 	t.op.Status.RetryConsumed = false
 	if err := t.r.Client.Status().Update(ctx, t.op); err != nil {
+		t.r.written.failed(t.op.UID, err)
 		return fmt.Errorf("write status: %w", err)
 	}
 	statusWrites.Inc()
-	t.r.superseded.Store(t.op.UID, before)
 	t.persisted = t.op.DeepCopy()
+	t.r.written.wrote(before, t.persisted)
 	return nil
 }
 
