@@ -460,8 +460,8 @@ func quiet(b *testing.B, spec *sim.Spec) {
 // reactionSamples times and reported at the 99th percentile (budget 50 ms):
 // retry and resume on an upgrade of 1 control plane and faultyWorkers
 // workers, and again on an upgrade of 1,000 machines, whose status every
-// turn reads and writes; lock release on a fleet of 3 (a running
-// 1,000-machine operation holds the cluster's one lock).
+// turn reads and writes; lock release on a fleet of 3 (a reboot
+// operation waits while another, its machine hung in Reboot, holds the lock).
 func BenchmarkReaction(b *testing.B) {
 	b.Run("retry-resume/machines=26", func(b *testing.B) {
 		for i := 0; i < b.N; i++ {
