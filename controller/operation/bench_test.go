@@ -597,14 +597,15 @@ func retryAndResume(b *testing.B, workers int) {
 		// on while this watch caught up): then there is no quiet pause to
 		// resume from, and the failure is the next retry's.
 		c.patchSpec("upgrade", `{"paused":true}`)
-		var quiet bool
+		var pausedQuietly bool
 		w.until(b, "upgrade", time.Minute, func(op *ichorv1.TalosOperation) bool {
-			quiet = op.Status.Reason == ichorv1.ReasonPausedByOperator && op.Status.Message == pausedQuiet
-			return quiet || op.StepFailed() && entryOf(op, name).Phase == ichorv1.MachineSucceeded
+			pausedQuietly = op.Status.Reason == ichorv1.ReasonPausedByOperator && op.Status.Message == pausedQuiet
+			retried := entryOf(op, name)
+			return pausedQuietly || op.StepFailed() && retried != nil && retried.Phase == ichorv1.MachineSucceeded
 		})
 		t0 = time.Now()
 		c.patchSpec("upgrade", `{"paused":false}`)
-		if !quiet {
+		if !pausedQuietly {
 			continue
 		}
 		t1 = w.until(b, "upgrade", time.Minute, func(op *ichorv1.TalosOperation) bool {
