@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"k8s.io/utils/ptr"
 
 	"maesh.dev/ichor/internal/testenv"
@@ -38,15 +39,6 @@ func waitPod(t *testing.T, ns, name, what string, cond func(*corev1.Pod) bool) *
 		return cond(p), nil
 	})
 	return last
-}
-
-func podReady(p *corev1.Pod) bool {
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
 }
 
 func annotate(pod *corev1.Pod, kv ...string) {
@@ -91,7 +83,7 @@ func TestPodsRun(t *testing.T) {
 	createPod(t, pod)
 
 	running := waitPod(t, ns, "web", "Running", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodRunning })
-	if podReady(running) {
+	if podutils.IsPodReady(running) {
 		t.Error("Ready before its readiness delay")
 	}
 	if running.Status.HostIP != w.Address() || net.ParseIP(running.Status.PodIP) == nil || running.Status.PodIP == w.Address() {
@@ -101,14 +93,14 @@ func TestPodsRun(t *testing.T) {
 	if len(cs) != 1 || cs[0].State.Running == nil || !strings.HasPrefix(cs[0].ContainerID, "containerd://") || cs[0].RestartCount != 0 {
 		t.Errorf("container status %+v", cs)
 	}
-	waitPod(t, ns, "web", "Ready", podReady)
+	waitPod(t, ns, "web", "Ready", podutils.IsPodReady)
 
 	release := w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
 	before := w.BootID()
 	if err := talos(t, f).Reboot(on(w)); err != nil {
 		t.Fatal(err)
 	}
-	down := waitPod(t, ns, "web", "NotReady while its machine is down", func(p *corev1.Pod) bool { return !podReady(p) })
+	down := waitPod(t, ns, "web", "NotReady while its machine is down", func(p *corev1.Pod) bool { return !podutils.IsPodReady(p) })
 	if !w.Down() {
 		t.Fatal("the pod went NotReady while its machine was up")
 	}
@@ -117,7 +109,7 @@ func TestPodsRun(t *testing.T) {
 	}
 	release()
 	waitRebooted(t, w, before)
-	back := waitPod(t, ns, "web", "Ready again", podReady)
+	back := waitPod(t, ns, "web", "Ready again", podutils.IsPodReady)
 	c := back.Status.ContainerStatuses[0]
 	if c.RestartCount != 1 || c.LastTerminationState.Terminated == nil || c.LastTerminationState.Terminated.ExitCode != 255 || c.State.Running == nil {
 		t.Errorf("after the boot: restarts %d, last state %+v, state %+v", c.RestartCount, c.LastTerminationState, c.State)
@@ -179,7 +171,7 @@ func TestPodsEnd(t *testing.T) {
 	waitPod(t, ns, "crashing", "restarted twice (restartPolicy Always)", func(p *corev1.Pod) bool {
 		return p.Status.Phase == corev1.PodRunning && p.Status.ContainerStatuses[0].RestartCount >= 2
 	})
-	if p := waitPod(t, ns, "forever", "Ready", podReady); p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 {
+	if p := waitPod(t, ns, "forever", "Ready", podutils.IsPodReady); p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 {
 		t.Errorf("a pod without run-for: phase %s, restarts %d", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount)
 	}
 }
@@ -249,7 +241,7 @@ func TestPodsGoWithAReset(t *testing.T) {
 	ns := namespace(t)
 	gone := createPod(t, plainPod(ns, "on-reset", w1.Name()))
 	kept := createPod(t, plainPod(ns, "elsewhere", w2.Name()))
-	waitPod(t, ns, gone.Name, "Ready", podReady)
+	waitPod(t, ns, gone.Name, "Ready", podutils.IsPodReady)
 	before := w1.BootID()
 	if err := talos(t, f).Reset(on(w1), false, true); err != nil {
 		t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/kubectl/pkg/util/podutils"
 
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
@@ -54,7 +55,7 @@ func TestStaticPods(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "the mirror pods Ready", func(context.Context) (bool, error) {
 		pods = mirrorPods(t, cp)
 		for _, c := range components {
-			if p := pods[c]; p == nil || !podReady(p) {
+			if p := pods[c]; p == nil || !podutils.IsPodReady(p) {
 				return false, nil
 			}
 		}
@@ -102,7 +103,7 @@ func TestStaticPods(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "new mirror pods Ready after the boot", func(context.Context) (bool, error) {
 		now := mirrorPods(t, cp)
 		for _, c := range components {
-			if p := now[c]; p == nil || !podReady(p) || p.UID == pods[c].UID {
+			if p := now[c]; p == nil || !podutils.IsPodReady(p) || p.UID == pods[c].UID {
 				return false, nil
 			}
 		}
@@ -160,7 +161,7 @@ func TestStaticPodsFollowTheConfig(t *testing.T) {
 	var before map[string]*corev1.Pod
 	testenv.Eventually(t, 30*time.Second, "the mirror pods Ready", func(context.Context) (bool, error) {
 		before = mirrorPods(t, cp)
-		return len(before) == 3 && podReady(before["kube-apiserver"]), nil
+		return len(before) == 3 && podutils.IsPodReady(before["kube-apiserver"]), nil
 	})
 	mc, err := safe.StateGetByID[*configres.MachineConfig](on(cp), c.COSI, configres.ActiveID)
 	if err != nil {
@@ -185,7 +186,7 @@ func TestStaticPodsFollowTheConfig(t *testing.T) {
 	testenv.Eventually(t, 30*time.Second, "a new kube-apiserver pod of the new image Ready", func(context.Context) (bool, error) {
 		after = mirrorPods(t, cp)
 		p := after["kube-apiserver"]
-		return p != nil && p.UID != before["kube-apiserver"].UID && p.Spec.Containers[0].Image == image && podReady(p), nil
+		return p != nil && p.UID != before["kube-apiserver"].UID && p.Spec.Containers[0].Image == image && podutils.IsPodReady(p), nil
 	})
 	cfg, err := safe.StateGetByID[*k8s.APIServerConfig](on(cp), c.COSI, k8s.APIServerConfigID)
 	if err != nil {

@@ -14,6 +14,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/kubectl/pkg/util/podutils"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -400,14 +401,8 @@ func (d *demo) drained(ctx context.Context) error {
 	})
 }
 
-func podReady(p *corev1.Pod) bool {
-	for _, c := range p.Status.Conditions {
-		if c.Type == corev1.PodReady {
-			return p.DeletionTimestamp == nil && c.Status == corev1.ConditionTrue
-		}
-	}
-	return false
-}
+// podReady is a pod that is Ready and not on its way out.
+func podReady(p *corev1.Pod) bool { return p.DeletionTimestamp == nil && podutils.IsPodReady(p) }
 
 // 8. Fix the cause, retry, and follow the upgrade to its end.
 func (d *demo) retry(ctx context.Context) error {
