@@ -84,8 +84,13 @@ func cordonStep() Step {
 // identity marks it) and leaves anyone else's alone.
 func Uncordon() Step { return uncordonStep() }
 
+// uncordonStep is Chained: it gives the machine back and takes nothing
+// away, so it starts beside the status write that records it (right after
+// the reboot it follows is seen) rather than a round trip later, on every
+// machine's path. Lifting only this operation's own cordon, it is
+// idempotent, and harmless after a takeover.
 func uncordonStep() Step {
-	return Step{Name: StepUncordon, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepUncordon, Timeout: time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		node, err := e.freshNode(ctx)
 		if err != nil {
 			return Outcome{}, err

@@ -2,11 +2,17 @@ package operation_test
 
 import (
 	"context"
+	"io"
+	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -156,4 +162,70 @@ func TestPausedWhileDownStopsBeforeVerify(t *testing.T) {
 			t.Errorf("%s's configuration read at %s, while the operation was paused after its reboot: the verify ran", w.Name(), call.At.Format(time.StampMicro))
 		}
 	}
+}
+
+// TestUncordonBesideItsWrite: the uncordon after a reboot is Chained: it
+// starts beside the status write of the turn that saw the machine back, not
+// a round trip after it. With that write held at the controller's
+// transport, the machine is uncordoned all the same; once the write goes
+// through, the next turn records the uncordon's result and the operation
+// succeeds with the machine schedulable.
+func TestUncordonBesideItsWrite(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1].Name()
+	var held atomic.Bool
+	whileHeld := make(chan bool, 1)
+	c.startWith(testcluster.StartController, func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && recordsUncordon(req) && held.CompareAndSwap(false, true) {
+					whileHeld <- schedulableWithin(w, 30*time.Second)
+				}
+				return rt.RoundTrip(req)
+			})
+		})
+	})
+	op := talosSpec("v1.13.7")
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
+	c.create("upgrade", op)
+	select {
+	case ok := <-whileHeld:
+		if !ok {
+			t.Errorf("%s still cordoned 30 s into the held status write that records its uncordon: the uncordon waited for the write", w)
+		}
+	case <-time.After(3 * time.Minute):
+		t.Fatal("no status write recorded the uncordon")
+	}
+	c.waitSucceeded("upgrade", time.Minute)
+	if cordoned(t, w) {
+		t.Errorf("%s cordoned after the operation succeeded", w)
+	}
+}
+
+// recordsUncordon reports whether a status write's body has a machine at the uncordon step.
+func recordsUncordon(req *http.Request) bool {
+	if req.GetBody == nil {
+		return false
+	}
+	body, err := req.GetBody()
+	if err != nil {
+		return false
+	}
+	defer body.Close()
+	raw, err := io.ReadAll(body)
+	return err == nil && strings.Contains(string(raw), `"step":"`+executor.StepUncordon+`"`)
+}
+
+// schedulableWithin reports whether the Node is schedulable, and no longer
+// marked as cordoned by an operation, within d.
+func schedulableWithin(name string, d time.Duration) bool {
+	err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, d, true, func(ctx context.Context) (bool, error) {
+		n := &corev1.Node{}
+		if err := env.Client.Get(ctx, keyOfNode(name), n); err != nil {
+			return false, nil
+		}
+		_, marked := n.Annotations[executor.CordonedByAnnotation]
+		return !n.Spec.Unschedulable && !marked, nil
+	})
+	return err == nil
 }
