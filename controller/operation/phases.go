@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	ctrl "sigs.k8s.io/controller-runtime/pkg/reconcile"
@@ -62,7 +63,13 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 }
 
 // start records that the operation starts running: its machines are fixed.
+// It starts when the turn has the cluster lock, not when the turn began:
+// acquire may have waited meanwhile (a takeover reads its holder from the
+// API server first), so the turn's clock is read again, and what the turn
+// records from here on is this later instant. A start taken over from a
+// holder that completed then never predates that holder's completion.
 func (t *turn) start() {
+	t.now = metav1.NewTime(t.r.now())
 	t.op.Status.StartTime = &t.now
 	t.event(corev1.EventTypeNormal, "Started", "started %s on %d machine(s)", t.op.Status.Target, len(t.op.Status.Machines))
 	// The plan skipped held machines before the start; each leaves an
