@@ -118,8 +118,9 @@ func (r *Reconciler) reconcile(ctx context.Context, req ctrl.Request) (ctrl.Resu
 	case cancelRequested(op):
 		return t.reconcileCancel(ctx)
 	}
+	began := t.now.Time // start reads the turn's clock again
 	defer func() {
-		log.V(1).Info("reconciled", "took", r.now().Sub(t.now.Time).String(), "phase", t.op.Status.Phase)
+		log.V(1).Info("reconciled", "took", r.now().Sub(began).String(), "phase", t.op.Status.Phase)
 	}()
 	return t.reconcile(ctx)
 }

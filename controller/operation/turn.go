@@ -22,11 +22,13 @@ import (
 )
 
 // turn is one reconcile of one operation: the scope every phase works in.
-// It reads the clock once, so every time a turn records or judges (a
-// machine's start, a step's deadline, the completion) is the same instant.
+// It reads the clock when it begins, so every time a turn records or judges
+// (a machine's start, a step's deadline, the completion) is the same
+// instant; only the turn that starts the operation reads it again, once it
+// holds the cluster lock (start).
 type turn struct {
 	r *Reconciler
-	// now is the turn's time, read once when the turn begins.
+	// now is the turn's time, read when the turn begins (and by start).
 	now metav1.Time
 	// persisted is the operation as read, and once write has saved the
 	// working copy, as written: only steps it records may start. The phases
