@@ -10,7 +10,9 @@ import (
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/kubectl/pkg/drain"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/machine"
@@ -64,19 +66,16 @@ func (e *Env) requireAddress() error {
 // harmless.
 func cordonStep() Step {
 	return Step{Name: StepCordon, Timeout: time.Minute, Chained: true, Cordons: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		node, err := e.freshNode(ctx)
-		if err != nil {
-			return Outcome{}, err
-		}
-		if node.Spec.Unschedulable {
-			// Already cordoned: by us (a rerun) or by someone else, whose cordon we leave alone.
-			return Outcome{}, nil
-		}
-		patch := map[string]any{
-			"metadata": map[string]any{"annotations": map[string]any{CordonedByAnnotation: e.Identity}},
-			"spec":     map[string]any{"unschedulable": true},
-		}
-		return Outcome{}, e.patchNode(ctx, patch)
+		return Outcome{}, e.changeNode(ctx, func(node *corev1.Node) map[string]any {
+			if node.Spec.Unschedulable {
+				// Already cordoned: by us (a rerun) or by someone else, whose cordon we leave alone.
+				return nil
+			}
+			return map[string]any{
+				"metadata": map[string]any{"annotations": map[string]any{CordonedByAnnotation: e.Identity}},
+				"spec":     map[string]any{"unschedulable": true},
+			}
+		})
 	}}
 }
 
@@ -91,18 +90,15 @@ func Uncordon() Step { return uncordonStep() }
 // idempotent, and harmless after a takeover.
 func uncordonStep() Step {
 	return Step{Name: StepUncordon, Timeout: time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
-		node, err := e.freshNode(ctx)
-		if err != nil {
-			return Outcome{}, err
-		}
-		if node.Annotations[CordonedByAnnotation] != e.Identity {
-			return Outcome{}, nil
-		}
-		patch := map[string]any{
-			"metadata": map[string]any{"annotations": map[string]any{CordonedByAnnotation: nil}},
-			"spec":     map[string]any{"unschedulable": false},
-		}
-		return Outcome{}, e.patchNode(ctx, patch)
+		return Outcome{}, e.changeNode(ctx, func(node *corev1.Node) map[string]any {
+			if node.Annotations[CordonedByAnnotation] != e.Identity {
+				return nil
+			}
+			return map[string]any{
+				"metadata": map[string]any{"annotations": map[string]any{CordonedByAnnotation: nil}},
+				"spec":     map[string]any{"unschedulable": false},
+			}
+		})
 	}}
 }
 
@@ -243,7 +239,49 @@ func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 	}}
 }
 
-// freshNode reads the Node from the API server, not the cache, before changing it.
+// changeNode makes the change that decide asks of the machine's Node as
+// one guarded write: the patch carries the resourceVersion of the Node it
+// was decided on, so that a change made since (an operator's cordon between
+// the read and the write) makes it conflict, and it is decided again on a
+// fresh read. The first decision is on the cache's Node, which saves a read
+// on every machine's path; a decision to change nothing (decide returns
+// nil) is only taken on a fresh read, as the cache may not have the change
+// that calls for one yet.
+func (e *Env) changeNode(ctx context.Context, decide func(*corev1.Node) map[string]any) error {
+	node, fresh := &corev1.Node{}, false
+	if err := e.Kube.Get(ctx, client.ObjectKey{Name: e.Machine.Name}, node); err != nil {
+		node = nil // not in the cache (yet): read it
+	}
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		for {
+			if node == nil {
+				var err error
+				if node, err = e.freshNode(ctx); err != nil {
+					return err
+				}
+				fresh = true
+			}
+			patch := decide(node)
+			if patch == nil && fresh {
+				return nil
+			}
+			if patch == nil {
+				node = nil
+				continue
+			}
+			meta, _ := patch["metadata"].(map[string]any)
+			if meta == nil {
+				meta = map[string]any{}
+				patch["metadata"] = meta
+			}
+			meta["resourceVersion"] = node.ResourceVersion
+			node = nil // a conflict decides again on a fresh read
+			return e.patchNode(ctx, patch)
+		}
+	})
+}
+
+// freshNode reads the Node from the API server, not the cache.
 func (e *Env) freshNode(ctx context.Context) (*corev1.Node, error) {
 	n, err := e.Clientset.CoreV1().Nodes().Get(ctx, e.Machine.Name, metav1GetOptions)
 	if err != nil {

@@ -2,7 +2,9 @@ package operation_test
 
 import (
 	"context"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -10,10 +12,15 @@ import (
 	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -71,6 +78,47 @@ func TestCordonedWorkerIsInService(t *testing.T) {
 	}
 	if n := c.node(w(3)); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != "" {
 		t.Errorf("the operator's cordon of %s: unschedulable %v, %s=%q", w(3), n.Spec.Unschedulable,
+			executor.CordonedByAnnotation, n.Annotations[executor.CordonedByAnnotation])
+	}
+}
+
+// TestOperatorCordonsMeanwhile: an operator cordons a worker after Ichor
+// decided to cordon it and before Ichor's cordon lands (held at the
+// controller's transport while the operator's is made). Ichor's write
+// carries the resourceVersion of the Node it decided on, so it conflicts,
+// Ichor reads the Node again and leaves the operator's cordon alone: after
+// the upgrade the worker is still cordoned, and not marked as Ichor's.
+func TestOperatorCordonsMeanwhile(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	w := c.fleet.Machines()[1].Name()
+	var raced atomic.Bool
+	operator := make(chan error, 1)
+	c.startWith(testcluster.StartController, func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				if req.Method == http.MethodPatch && strings.HasSuffix(req.URL.Path, "/nodes/"+w) &&
+					bodyContains(req, `"unschedulable":true`) && raced.CompareAndSwap(false, true) {
+					n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w}}
+					operator <- env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
+				}
+				return rt.RoundTrip(req)
+			})
+		})
+	})
+	op := talosSpec("v1.13.7")
+	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
+	c.create("upgrade", op)
+	c.waitSucceeded("upgrade", 2*time.Minute)
+	select {
+	case err := <-operator:
+		if err != nil {
+			t.Fatalf("the operator's cordon of %s: %v", w, err)
+		}
+	default:
+		t.Fatalf("Ichor never sent its cordon of %s", w)
+	}
+	if n := c.node(w); !n.Spec.Unschedulable || n.Annotations[executor.CordonedByAnnotation] != "" {
+		t.Errorf("the operator's cordon of %s, made between Ichor's read and its write: unschedulable %v, %s=%q", w, n.Spec.Unschedulable,
 			executor.CordonedByAnnotation, n.Annotations[executor.CordonedByAnnotation])
 	}
 }

@@ -204,6 +204,11 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.
 func recordsUncordon(req *http.Request) bool {
+	return bodyContains(req, `"step":"`+executor.StepUncordon+`"`)
+}
+
+// bodyContains reports whether the request's body contains s.
+func bodyContains(req *http.Request, s string) bool {
 	if req.GetBody == nil {
 		return false
 	}
@@ -213,7 +218,7 @@ func recordsUncordon(req *http.Request) bool {
 	}
 	defer body.Close()
 	raw, err := io.ReadAll(body)
-	return err == nil && strings.Contains(string(raw), `"step":"`+executor.StepUncordon+`"`)
+	return err == nil && strings.Contains(string(raw), s)
 }
 
 // schedulableWithin reports whether the Node is schedulable, and no longer
