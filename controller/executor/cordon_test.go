@@ -63,4 +63,3 @@ func TestCordonDecidesOnTheCacheOnlyToChange(t *testing.T) {
 		})
 	}
 }
-

@@ -13,11 +13,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/internal/testcluster"
@@ -93,18 +91,13 @@ func TestOperatorCordonsMeanwhile(t *testing.T) {
 	w := c.fleet.Machines()[1].Name()
 	var raced atomic.Bool
 	operator := make(chan error, 1)
-	c.startWith(testcluster.StartController, func(_ *app.Options, cfg **rest.Config) {
-		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripper(func(req *http.Request) (*http.Response, error) {
-				if req.Method == http.MethodPatch && strings.HasSuffix(req.URL.Path, "/nodes/"+w) &&
-					bodyContains(req, `"unschedulable":true`) && raced.CompareAndSwap(false, true) {
-					n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w}}
-					operator <- env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
-				}
-				return rt.RoundTrip(req)
-			})
-		})
-	})
+	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
+		return req.Method == http.MethodPatch && strings.HasSuffix(req.URL.Path, "/nodes/"+w) &&
+			bodyContains(req, `"unschedulable":true`) && raced.CompareAndSwap(false, true)
+	}, func(req *http.Request) {
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w}}
+		operator <- env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
+	}))
 	op := talosSpec("v1.13.7")
 	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
 	c.create("upgrade", op)

@@ -175,16 +175,9 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 	w := c.fleet.Machines()[1].Name()
 	var held atomic.Bool
 	whileHeld := make(chan bool, 1)
-	c.startWith(testcluster.StartController, func(_ *app.Options, cfg **rest.Config) {
-		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripper(func(req *http.Request) (*http.Response, error) {
-				if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && recordsUncordon(req) && held.CompareAndSwap(false, true) {
-					whileHeld <- schedulableWithin(w, 30*time.Second)
-				}
-				return rt.RoundTrip(req)
-			})
-		})
-	})
+	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && recordsUncordon(req) && held.CompareAndSwap(false, true)
+	}, func(*http.Request) { whileHeld <- schedulableWithin(w, 30*time.Second) }))
 	op := talosSpec("v1.13.7")
 	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
 	c.create("upgrade", op)
@@ -205,6 +198,21 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.
 func recordsUncordon(req *http.Request) bool {
 	return bodyContains(req, `"step":"`+executor.StepUncordon+`"`)
+}
+
+// beforeRequest calls do before each of the controller's requests that
+// match says, then sends it: a test holds a request there, or races it.
+func beforeRequest(match func(*http.Request) bool, do func(*http.Request)) controllerOption {
+	return func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				if match(req) {
+					do(req)
+				}
+				return rt.RoundTrip(req)
+			})
+		})
+	}
 }
 
 // bodyContains reports whether the request's body contains s.

@@ -15,11 +15,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"google.golang.org/grpc/codes"
-	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
-	"maesh.dev/ichor/controller/app"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
 	"maesh.dev/ichor/internal/testenv"
@@ -387,18 +385,13 @@ func (takenOver) Stale(context.Context, lock.Holder) (lock.Verdict, error) {
 // lock's Lease that goes through the transport once when says so: the
 // write then conflicts with what run did.
 func beforeLeaseWrite(when func() bool, run *atomic.Pointer[func()]) controllerOption {
-	return func(_ *app.Options, cfg **rest.Config) {
-		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripper(func(req *http.Request) (*http.Response, error) {
-				if req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) && when() {
-					if f := run.Swap(nil); f != nil {
-						(*f)()
-					}
-				}
-				return rt.RoundTrip(req)
-			})
-		})
-	}
+	return beforeRequest(func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) && when()
+	}, func(*http.Request) {
+		if f := run.Swap(nil); f != nil {
+			(*f)()
+		}
+	})
 }
 
 // TestTakeoverBetweenAcquireAndLaunch: another taker takes the lock over
