@@ -248,36 +248,34 @@ func rebootedStep(want func(e *Env) string, retryFrom string) Step {
 // nil) is only taken on a fresh read, as the cache may not have the change
 // that calls for one yet.
 func (e *Env) changeNode(ctx context.Context, decide func(*corev1.Node) map[string]any) error {
-	node, fresh := &corev1.Node{}, false
-	if err := e.Kube.Get(ctx, client.ObjectKey{Name: e.Machine.Name}, node); err != nil {
-		node = nil // not in the cache (yet): read it
+	var node *corev1.Node
+	if cached := (&corev1.Node{}); e.Kube.Get(ctx, client.ObjectKey{Name: e.Machine.Name}, cached) == nil {
+		node = cached
 	}
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		for {
-			if node == nil {
-				var err error
-				if node, err = e.freshNode(ctx); err != nil {
-					return err
-				}
-				fresh = true
+		var patch map[string]any
+		if node != nil {
+			patch = decide(node)
+		}
+		if patch == nil {
+			// Nothing to change, nothing cached, or a conflict: decide on the API server's Node.
+			fresh, err := e.freshNode(ctx)
+			if err != nil {
+				return err
 			}
-			patch := decide(node)
-			if patch == nil && fresh {
+			if patch = decide(fresh); patch == nil {
 				return nil
 			}
-			if patch == nil {
-				node = nil
-				continue
-			}
-			meta, _ := patch["metadata"].(map[string]any)
-			if meta == nil {
-				meta = map[string]any{}
-				patch["metadata"] = meta
-			}
-			meta["resourceVersion"] = node.ResourceVersion
-			node = nil // a conflict decides again on a fresh read
-			return e.patchNode(ctx, patch)
+			node = fresh
 		}
+		meta, _ := patch["metadata"].(map[string]any)
+		if meta == nil {
+			meta = map[string]any{}
+			patch["metadata"] = meta
+		}
+		meta["resourceVersion"] = node.ResourceVersion
+		node = nil
+		return e.patchNode(ctx, patch)
 	})
 }
 
