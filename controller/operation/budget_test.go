@@ -88,7 +88,8 @@ func TestCordonedWorkerIsInService(t *testing.T) {
 // the upgrade the worker is still cordoned, and not marked as Ichor's.
 func TestOperatorCordonsMeanwhile(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	w := c.fleet.Machines()[1].Name()
+	m := c.fleet.Machines()[1]
+	w := m.Name()
 	var raced atomic.Bool
 	operator := make(chan error, 1)
 	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
@@ -99,7 +100,7 @@ func TestOperatorCordonsMeanwhile(t *testing.T) {
 		operator <- env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
 	}))
 	op := talosSpec("v1.13.7")
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
+	op.Machines = onlyMachine(m)
 	c.create("upgrade", op)
 	c.waitSucceeded("upgrade", 2*time.Minute)
 	select {

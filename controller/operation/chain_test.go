@@ -11,7 +11,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 
@@ -172,14 +171,15 @@ func TestPausedWhileDownStopsBeforeVerify(t *testing.T) {
 // succeeds with the machine schedulable.
 func TestUncordonBesideItsWrite(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	w := c.fleet.Machines()[1].Name()
+	m := c.fleet.Machines()[1]
+	w := m.Name()
 	var held atomic.Bool
 	whileHeld := make(chan bool, 1)
 	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
 		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && recordsUncordon(req) && held.CompareAndSwap(false, true)
 	}, func(*http.Request) { whileHeld <- schedulableWithin(w, 30*time.Second) }))
 	op := talosSpec("v1.13.7")
-	op.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w}}
+	op.Machines = onlyMachine(m)
 	c.create("upgrade", op)
 	select {
 	case ok := <-whileHeld:

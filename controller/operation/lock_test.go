@@ -409,7 +409,7 @@ func TestTakeoverBetweenAcquireAndLaunch(t *testing.T) {
 	var takeover atomic.Pointer[func()]
 	ctl := c.start(beforeLeaseWrite(pulled, &takeover))
 	a := talosSpec("v1.13.7")
-	a.Machines = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/hostname": w1}}
+	a.Machines = onlyMachine(c.fleet.Machine(w1))
 	c.create("a-upgrade", a)
 	c.waitFor("a-upgrade", "to pull on "+w1, time.Minute, func(op *ichorv1.TalosOperation) bool {
 		m := entryOf(op, w1)
