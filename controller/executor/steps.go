@@ -149,11 +149,16 @@ const DefaultDrainTimeout = 5 * time.Minute
 func runDrain(ctx context.Context, e *Env, timeout time.Duration, force bool) (timedOut bool, err error) {
 	dctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	asOf, err := e.cordonedAt(dctx)
+	if err != nil {
+		return false, err
+	}
 	report := newDrainReport(ctx, e, "draining")
 	h := &drain.Helper{
-		Ctx:                 dctx,
-		Client:              watchlist.Clientset(e.Clientset), // no LIST of every pod per drain
-		Force:               true,                             // bare pods would not survive the reboot either
+		Ctx: dctx,
+		// No LIST of every pod per drain, and its pods as of the cordon.
+		Client:              watchlist.AsOf(e.Clientset, asOf),
+		Force:               true, // bare pods would not survive the reboot either
 		GracePeriodSeconds:  -1,
 		IgnoreAllDaemonSets: true,
 		DeleteEmptyDirData:  true,
@@ -277,6 +282,20 @@ func (e *Env) changeNode(ctx context.Context, decide func(*corev1.Node) map[stri
 		node = nil
 		return e.patchNode(ctx, patch)
 	})
+}
+
+// cordonedAt is the resourceVersion of the machine's Node as the API server
+// has it now, if it is cordoned ("" if not). A drain lists the pods as of
+// that version: no pod is scheduled on a cordoned Node, so those are every
+// pod the drain must evict (DaemonSets' pods, which tolerate a cordon, it
+// leaves). It reads the API server's Node, not the cache's, whose older
+// cordon may have been lifted and set again since.
+func (e *Env) cordonedAt(ctx context.Context) (string, error) {
+	n, err := e.freshNode(ctx)
+	if err != nil || !n.Spec.Unschedulable {
+		return "", err
+	}
+	return n.ResourceVersion, nil
 }
 
 // freshNode reads the Node from the API server, not the cache.

@@ -3,8 +3,11 @@ package operation_test
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"net/url"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +20,7 @@ import (
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -404,6 +408,114 @@ func noPodLists(t *testing.T, since time.Time) {
 	if !watched {
 		t.Error("the controller never watched the pods of every namespace: did the drain read the machine's pods?")
 	}
+}
+
+// TestDrainReadsAsOfItsCordon: a drain lists the machine's pods as of its
+// Node cordoned (resourceVersionMatch NotOlderThan the Node's version), not
+// as of now, which makes the API server's watch cache wait for etcd's next
+// progress notification whenever another read has just asked for one. The
+// version it names is one at which the Node was cordoned, and the pod that
+// was on it is evicted.
+func TestDrainReadsAsOfItsCordon(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	worker := c.fleet.Machines()[1].Name()
+	c.deployment("web", 1, 0)
+	c.waitHealthy("web", 1)
+	before := c.pods("web")[0]
+	if before.Spec.NodeName != worker {
+		t.Fatalf("web's pod is on %s, want the worker %s", before.Spec.NodeName, worker)
+	}
+	versions := nodeHistory(t, worker)
+	var mu sync.Mutex
+	var reads []url.Values
+	c.start(beforeRequest(func(req *http.Request) bool {
+		return req.URL.Path == "/api/v1/pods" && req.URL.Query().Get("watch") == "true"
+	}, func(req *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		reads = append(reads, req.URL.Query())
+	}))
+	c.create("reboot", rebootSpec(worker))
+	c.waitSucceeded("reboot", 2*time.Minute)
+
+	mu.Lock()
+	defer mu.Unlock()
+	if len(reads) == 0 {
+		t.Fatal("the controller never read the pods of every namespace: did the drain run?")
+	}
+	for _, q := range reads {
+		if m := q.Get("resourceVersionMatch"); m != string(metav1.ResourceVersionMatchNotOlderThan) {
+			t.Errorf("the drain read its pods with resourceVersionMatch %q, want %s", m, metav1.ResourceVersionMatchNotOlderThan)
+		}
+		at := nodeAt(t, versions(), q.Get("resourceVersion"))
+		if !at.Spec.Unschedulable {
+			t.Errorf("the drain read its pods as of resourceVersion %q, when %s (version %s) was not cordoned", q.Get("resourceVersion"), worker, at.ResourceVersion)
+		}
+	}
+	for _, p := range c.pods("web") {
+		if p.UID == before.UID {
+			t.Errorf("web's pod %s is still there after the drain", p.Name)
+		}
+	}
+}
+
+// nodeHistory follows the named Node from now and returns the versions of
+// it seen so far: the one it has now, then each change.
+func nodeHistory(t *testing.T, name string) func() []corev1.Node {
+	t.Helper()
+	cs := kubernetes.NewForConfigOrDie(env.Config)
+	byName := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("metadata.name", name).String()}
+	list, err := cs.CoreV1().Nodes().List(context.Background(), byName)
+	if err != nil || len(list.Items) != 1 {
+		t.Fatalf("read node %s: %v (%d found)", name, err, len(list.Items))
+	}
+	byName.ResourceVersion = list.ResourceVersion
+	w, err := cs.CoreV1().Nodes().Watch(context.Background(), byName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.Stop)
+	var mu sync.Mutex
+	seen := []corev1.Node{list.Items[0]}
+	go func() {
+		for ev := range w.ResultChan() {
+			if n, ok := ev.Object.(*corev1.Node); ok {
+				mu.Lock()
+				seen = append(seen, *n)
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() []corev1.Node {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(seen)
+	}
+}
+
+// nodeAt is the Node as it was at resourceVersion rv: the last of versions
+// not after it. Versions are etcd's revisions here, so they compare as
+// numbers.
+func nodeAt(t *testing.T, versions []corev1.Node, rv string) corev1.Node {
+	t.Helper()
+	at, err := strconv.ParseUint(rv, 10, 64)
+	if err != nil {
+		t.Fatalf("resourceVersion %q: %v", rv, err)
+	}
+	var found *corev1.Node
+	for i := range versions {
+		v, err := strconv.ParseUint(versions[i].ResourceVersion, 10, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v <= at {
+			found = &versions[i]
+		}
+	}
+	if found == nil {
+		t.Fatalf("no version of the Node at or before resourceVersion %s was seen", rv)
+	}
+	return *found
 }
 
 // TestDrainTimeout: a drain that cannot finish in time (the budget allows

@@ -81,25 +81,46 @@ func collect(ctx context.Context, w watch.Interface) (*corev1.PodList, error) {
 // Clientset is cs whose pods are listed with Pods: for code that lists
 // through a clientset, kubectl's drain helper. A client that cannot watch
 // a list (client-go's fake) is returned as it is.
-func Clientset(cs kubernetes.Interface) kubernetes.Interface {
+func Clientset(cs kubernetes.Interface) kubernetes.Interface { return AsOf(cs, "") }
+
+// AsOf is Clientset whose lists that name no resourceVersion show the pods
+// as of resourceVersion or later (NotOlderThan), instead of as of now: the
+// API server's watch cache answers as soon as it has seen that far. As of
+// now, it first waits for etcd to say where now is, and it asks etcd at
+// most every 100 ms for every read that waits (the cacher's progress
+// requester): the drains of a batch, which start together, queued there.
+// An empty resourceVersion is now.
+func AsOf(cs kubernetes.Interface, resourceVersion string) kubernetes.Interface {
 	if clientwatchlist.DoesClientNotSupportWatchListSemantics(cs) {
 		return cs
 	}
-	return clientset{cs}
+	return clientset{cs, resourceVersion}
 }
 
-type clientset struct{ kubernetes.Interface }
+type clientset struct {
+	kubernetes.Interface
+	asOf string
+}
 
-func (c clientset) CoreV1() typedcorev1.CoreV1Interface { return coreV1{c.Interface.CoreV1()} }
+func (c clientset) CoreV1() typedcorev1.CoreV1Interface { return coreV1{c.Interface.CoreV1(), c.asOf} }
 
-type coreV1 struct{ typedcorev1.CoreV1Interface }
+type coreV1 struct {
+	typedcorev1.CoreV1Interface
+	asOf string
+}
 
 func (c coreV1) Pods(namespace string) typedcorev1.PodInterface {
-	return podClient{c.CoreV1Interface.Pods(namespace)}
+	return podClient{c.CoreV1Interface.Pods(namespace), c.asOf}
 }
 
-type podClient struct{ typedcorev1.PodInterface }
+type podClient struct {
+	typedcorev1.PodInterface
+	asOf string
+}
 
 func (p podClient) List(ctx context.Context, opts metav1.ListOptions) (*corev1.PodList, error) {
+	if opts.ResourceVersion == "" && p.asOf != "" {
+		opts.ResourceVersion, opts.ResourceVersionMatch = p.asOf, metav1.ResourceVersionMatchNotOlderThan
+	}
 	return Pods(ctx, p.PodInterface, opts)
 }

@@ -4,10 +4,12 @@ import (
 	"context"
 	"os"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/kubernetes"
@@ -108,5 +110,53 @@ func TestFakeClientset(t *testing.T) {
 	}
 	if len(list.Items) != 1 || list.Items[0].Name != "p" {
 		t.Fatalf("got %+v, want the pod p", list.Items)
+	}
+}
+
+// TestAsOf: a list as of a resourceVersion shows the pods the API server
+// had then (or later), and one as of a version the API server has not
+// reached is refused as too large: the version is sent, not dropped.
+func TestAsOf(t *testing.T) {
+	ns := env.Namespace(t)
+	ctx := context.Background()
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "p"},
+		Spec: corev1.PodSpec{NodeName: "a", Containers: []corev1.Container{{Name: "c", Image: "registry.k8s.io/pause:3.10"}}}}
+	if err := env.Client.Create(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	created, err := strconv.ParseUint(pod.ResourceVersion, 10, 64)
+	if err != nil {
+		t.Fatalf("the pod's resourceVersion %q: %v (etcd's revisions are numbers)", pod.ResourceVersion, err)
+	}
+	cs := kubernetes.NewForConfigOrDie(env.Config)
+	onA := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("spec.nodeName", "a").String()}
+	for _, tc := range []struct {
+		name, asOf string
+		want       []string
+		tooLarge   bool
+	}{
+		{"now", "", []string{"p"}, false},
+		{"as of the pod's creation", pod.ResourceVersion, []string{"p"}, false},
+		{"as of a version not reached", strconv.FormatUint(created+1_000_000, 10), nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			list, err := watchlist.AsOf(cs, tc.asOf).CoreV1().Pods(ns).List(ctx, onA)
+			if tc.tooLarge {
+				if !apierrors.HasStatusCause(err, metav1.CauseTypeResourceVersionTooLarge) {
+					t.Fatalf("got %v, want the API server's refusal of a resourceVersion too large", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, p := range list.Items {
+				got = append(got, p.Name)
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("got %v, want %v", got, tc.want)
+			}
+		})
 	}
 }
