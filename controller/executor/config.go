@@ -183,8 +183,10 @@ func cordonDrainStep(op *ichorv1.TalosOperation) Step {
 // configInspectStep plans the change on the configuration the machine runs
 // now and records its fingerprints (and, when a reboot will follow, the
 // boot ID). A machine that already carries the patches is done untouched.
+// A read, it is Chained: it starts beside the status write that starts the
+// machine.
 func configInspectStep() Step {
-	return Step{Name: StepInspect, Timeout: 2 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepInspect, Timeout: 2 * time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}

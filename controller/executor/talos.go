@@ -88,9 +88,10 @@ func (TalosUpgrade) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) 
 
 // inspectStep reads what the machine runs and records its version and boot
 // ID before anything disruptive happens. A machine already on the target
-// (version and schematic) is done without being touched.
+// (version and schematic) is done without being touched. A read, it is
+// Chained: it starts beside the status write that starts the machine.
 func inspectStep() Step {
-	return Step{Name: StepInspect, Timeout: time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
+	return Step{Name: StepInspect, Timeout: time.Minute, Chained: true, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		if err := e.requireAddress(); err != nil {
 			return Outcome{}, err
 		}

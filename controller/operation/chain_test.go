@@ -242,3 +242,36 @@ func schedulableWithin(name string, d time.Duration) bool {
 	})
 	return err == nil
 }
+
+// TestInspectBesideTheStart: a machine's first step, a read (the Talos
+// upgrade's inspect, and the pull Chained after it), starts beside the
+// status write that starts the machine, not a round trip after it: the
+// installer is pulled while that write is held at the controller's
+// transport.
+func TestInspectBesideTheStart(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	m := c.fleet.Machines()[1]
+	rec := c.fleet.Recorder()
+	var held atomic.Bool
+	whileHeld := make(chan bool, 1)
+	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") &&
+			bodyContains(req, `"step":"`+executor.StepInspect+`"`) && held.CompareAndSwap(false, true)
+	}, func(*http.Request) {
+		whileHeld <- wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+			return rec.Calls(m.Name(), "ImageService/Pull") > 0, nil
+		}) == nil
+	}))
+	op := talosSpec("v1.13.7")
+	op.Machines = onlyMachine(m)
+	c.create("upgrade", op)
+	select {
+	case ok := <-whileHeld:
+		if !ok {
+			t.Errorf("%s's installer not pulled 30 s into the held status write that starts it: its inspect waited for the write", m.Name())
+		}
+	case <-time.After(3 * time.Minute):
+		t.Fatal("no status write started the machine at inspect")
+	}
+	c.waitSucceeded("upgrade", time.Minute)
+}

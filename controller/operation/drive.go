@@ -296,13 +296,14 @@ func (t *turn) run(op *ichorv1.TalosOperation, m ichorv1.MachineStatus, step exe
 }
 
 // launchChained starts, beside the status write that records them, the
-// Chained steps this turn moved machines to from the step persisted status
-// records (the verify after a reboot's Wait, say): as in a run, a Chained
-// step needs no status write before it begins, and waiting for that write
-// would put its round trip on the machine's path. A step that Cordons is
-// left to launch, after the write and a Confirm. When the write fails, the
-// next turn moves the machine to the step again and finds it running, or
-// its result.
+// Chained steps this turn moved machines to: on from the step persisted
+// status records (the verify after a reboot's Wait, say), or a machine's
+// first step as the turn starts it (the Talos upgrade's inspect, a read).
+// As in a run, a Chained step needs no status write before it begins, and
+// waiting for that write would put its round trip on the machine's path.
+// A step that Cordons is left to launch, after the write and a Confirm.
+// When the write fails, the next turn moves the machine to the step again
+// and finds it running, or its result.
 func (t *turn) launchChained() {
 	if !t.canLaunch {
 		return
@@ -311,12 +312,11 @@ func (t *turn) launchChained() {
 		if m.Phase != ichorv1.MachineInProgress || m.Stopped {
 			continue
 		}
-		// Persisted status has it in progress at an earlier step of this
-		// attempt; one that begins this turn waits for the write.
-		if p := entry(&t.persisted.Status, m.Name); p == nil || p.Phase != ichorv1.MachineInProgress || p.Attempts != m.Attempts || p.Step == m.Step {
+		steps := t.exec.Steps(t.op, &m)
+		if !t.movedOn(m) && !t.startedAt(m, steps) {
 			continue
 		}
-		step, ok := findStep(t.exec.Steps(t.op, &m), m.Step)
+		step, ok := findStep(steps, m.Step)
 		if !ok || !chainable(step) || step.Cordons || t.r.runner.busy(t.key(m.Name), m.Step, m.Attempts) {
 			continue
 		}
@@ -324,6 +324,24 @@ func (t *turn) launchChained() {
 			t.log.V(1).Info("Chained step not started beside the write; launch starts it after", "machine", m.Name, "step", m.Step, "why", err.Error())
 		}
 	}
+}
+
+// movedOn says whether persisted status has the machine in progress at an
+// earlier step of this attempt: this turn moved it on.
+func (t *turn) movedOn(m ichorv1.MachineStatus) bool {
+	p := entry(&t.persisted.Status, m.Name)
+	return p != nil && p.Phase == ichorv1.MachineInProgress && p.Attempts == m.Attempts && p.Step != m.Step
+}
+
+// startedAt says whether this turn starts the machine at its first step:
+// persisted status has it not started, in the same stage (a stage's start
+// waits for the write that records the stage).
+func (t *turn) startedAt(m ichorv1.MachineStatus, steps []executor.Step) bool {
+	if len(steps) == 0 || m.Step != steps[0].Name || m.Attempts != 1 || t.persisted.Status.Stage != t.op.Status.Stage {
+		return false
+	}
+	p := entry(&t.persisted.Status, m.Name)
+	return p == nil || p.Phase == ichorv1.MachinePending
 }
 
 // follower gives the Chained step that follows a step of a run on env's
