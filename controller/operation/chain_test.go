@@ -173,14 +173,7 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	m := c.fleet.Machines()[1]
 	w := m.Name()
-	var held atomic.Bool
-	whileHeld := make(chan bool, 1)
-	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
-		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && recordsUncordon(req) && held.CompareAndSwap(false, true)
-	}, func(*http.Request) { whileHeld <- schedulableWithin(w, 30*time.Second) }))
-	op := talosSpec("v1.13.7")
-	op.Machines = onlyMachine(m)
-	c.create("upgrade", op)
+	whileHeld := c.upgradeHoldingWrite(m, recordsUncordon, func() bool { return schedulableWithin(w, 30*time.Second) })
 	select {
 	case ok := <-whileHeld:
 		if !ok {
@@ -193,6 +186,21 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 	if cordoned(t, w) {
 		t.Errorf("%s cordoned after the operation succeeded", w)
 	}
+}
+
+// upgradeHoldingWrite starts the controller and a Talos upgrade of machine m
+// alone, holds at the controller's transport the first status write that
+// records says is the one, and sends what during answers while it is held.
+func (c *cluster) upgradeHoldingWrite(m *sim.Machine, records func(*http.Request) bool, during func() bool) <-chan bool {
+	var held atomic.Bool
+	whileHeld := make(chan bool, 1)
+	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && records(req) && held.CompareAndSwap(false, true)
+	}, func(*http.Request) { whileHeld <- during() }))
+	op := talosSpec("v1.13.7")
+	op.Machines = onlyMachine(m)
+	c.create("upgrade", op)
+	return whileHeld
 }
 
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.
@@ -252,19 +260,12 @@ func TestInspectBesideTheStart(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	m := c.fleet.Machines()[1]
 	rec := c.fleet.Recorder()
-	var held atomic.Bool
-	whileHeld := make(chan bool, 1)
-	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
-		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") &&
-			bodyContains(req, `"step":"`+executor.StepInspect+`"`) && held.CompareAndSwap(false, true)
-	}, func(*http.Request) {
-		whileHeld <- wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+	recordsInspect := func(req *http.Request) bool { return bodyContains(req, `"step":"`+executor.StepInspect+`"`) }
+	whileHeld := c.upgradeHoldingWrite(m, recordsInspect, func() bool {
+		return wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
 			return rec.Calls(m.Name(), "ImageService/Pull") > 0, nil
 		}) == nil
-	}))
-	op := talosSpec("v1.13.7")
-	op.Machines = onlyMachine(m)
-	c.create("upgrade", op)
+	})
 	select {
 	case ok := <-whileHeld:
 		if !ok {
