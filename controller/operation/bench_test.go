@@ -460,7 +460,8 @@ func quiet(b *testing.B, spec *sim.Spec) {
 }
 
 // BenchmarkReaction: the time from a retry annotation, a resume, and a
-// cluster lock release to the next step starting, each sampled
+// cluster lock release, each as a watch sees it on the API server, to the
+// same watch seeing the next step started, each sampled
 // reactionSamples times and reported at the 99th percentile (budget 50 ms):
 // retry and resume on an upgrade of 1 control plane and faultyWorkers
 // workers, and again on an upgrade of 1,000 machines, whose status every
@@ -487,9 +488,9 @@ func BenchmarkReaction(b *testing.B) {
 	})
 }
 
-// BenchmarkStatusWrite times what every reaction waits for at least once,
-// and a retry or a resume twice (the operator's write, then the
-// controller's): one write of an operation at the API server, here a
+// BenchmarkStatusWrite times what every reaction waits for once from the
+// request on the API server, and a retry or a resume twice from the
+// request sent (the operator's write, then the controller's): one write of an operation at the API server, here a
 // status update that starts one more machine, at the operation sizes the
 // other benchmarks run. It reports the median and the 99th percentile of
 // 20 writes in milliseconds, beside the reactions' 50 ms budget.
