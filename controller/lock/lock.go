@@ -320,7 +320,21 @@ func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease
 // every running operation, and nothing it decides from it disrupts a
 // machine without a Confirm, whose guarded write fails (and reads the Lease
 // again) if anybody else wrote the Lease since.
+//
+// A take whose guarded write conflicts decides once more, at once, from the
+// Lease read again: somebody wrote it between the read and the write, most
+// often the holder judged over releasing it itself (a completed operation
+// lets go right after it records its end). The caller's next turn would
+// come to the same decision a requeue later.
 func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
+	res, err := l.acquire(ctx, req)
+	if errors.Is(err, ErrConflict) {
+		res, err = l.acquire(ctx, req)
+	}
+	return res, err
+}
+
+func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	if seen := l.lastSeen(); seen.lease != nil {
 		if st, err := stateOf(seen.lease); err == nil && st.Holds(req.Holder) {
 			return Result{Acquired: true, AlreadyHeld: true, Holder: req.Holder.Identity, Since: st.Since, Seen: seen}, nil

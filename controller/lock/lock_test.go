@@ -403,6 +403,41 @@ func TestHolderAcquiresFromWhatItSaw(t *testing.T) {
 	}
 }
 
+// TestTakeoverMeetsTheRelease: b judges the holder a over (completed) from
+// the Lease it read, and a releases the lock before b writes, as a
+// completed operation does right after it records its end. b's guarded
+// write conflicts, and the same Acquire takes the free lock from the Lease
+// read again: no takeover, and no conflict left for the caller to requeue.
+func TestTakeoverMeetsTheRelease(t *testing.T) {
+	ctx := context.Background()
+	w := newWorld(t)
+	la := newLock(w.ns)
+	aOp := w.op("a", running)
+	a, b := holds(aOp), holds(w.op("b", running))
+	mustAcquire(t, la, a)
+	w.setStatus(aOp, ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded})
+	// Another Lock (another controller, or a Job's), judging by its own reads.
+	lb := newLock(w.ns)
+	judge := lb.Judge
+	lb.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
+		v, err := judge.Stale(ctx, h)
+		if _, released, rerr := la.Release(ctx, a); rerr != nil || !released {
+			t.Fatalf("a releases between b's read and b's write: released %v, %v", released, rerr)
+		}
+		return v, err
+	})
+	res, err := lb.Acquire(ctx, lock.Request{Holder: b})
+	if err != nil || !res.Acquired {
+		t.Fatalf("b's Acquire, its write beaten by a's release: %+v %v, want the lock taken", res, err)
+	}
+	if res.TookOver != "" {
+		t.Errorf("b took the lock over from %q, when a had released it", res.TookOver)
+	}
+	if st, _ := la.Get(ctx); st.Holder != b {
+		t.Errorf("Lease holder %s, want b", st.Holder)
+	}
+}
+
 // gatedWriter counts the Lease writes, and holds the first one after gate
 // is set until gate closes.
 type gatedWriter struct {
