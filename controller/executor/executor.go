@@ -79,8 +79,9 @@ type Step struct {
 	// Cordons marks a Chained step that takes the machine out of service (a
 	// cordon and drain): in a run, a Confirm of the cluster lock comes right
 	// before it, as before a launch, so that it never overlaps a disruption
-	// of whoever took the lock over meanwhile. The checks and reads chained
-	// elsewhere take nothing away and need none.
+	// of whoever took the lock over meanwhile; one Confirm covers a cordon
+	// and the drain that follows it in the run. The checks and reads
+	// chained elsewhere take nothing away and need none.
 	Cordons bool
 	// Ends, on an Irreversible step, says that the step takes away the
 	// API the controller records status in (every control plane shut

@@ -346,10 +346,11 @@ func (t *turn) startedAt(m ichorv1.MachineStatus, steps []executor.Step) bool {
 
 // follower gives the Chained step that follows a step of a run on env's
 // machine, with what the run's steps recorded so far (its boot ID, say,
-// which decides the steps after inspect), and, before a step that Cordons,
-// once a Confirm says that the cluster lock is still the operation's: a
-// cordon after a takeover would overlap another holder's disruption. It
-// runs in the run's goroutine and changes only env, which is the run's own.
+// which decides the steps after inspect), and, before a step that Cordons
+// (unless the step before it did), once a Confirm says that the cluster
+// lock is still the operation's: a cordon after a takeover would overlap
+// another holder's disruption. It runs in the run's goroutine and changes
+// only env, which is the run's own.
 func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower {
 	exec, log, r := t.exec, t.log, t.r
 	return func(ctx context.Context, current string, out executor.Outcome) (executor.Step, time.Duration, bool) {
@@ -363,7 +364,7 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		if !ok || !chainable(next) {
 			return executor.Step{}, 0, false
 		}
-		if next.Cordons {
+		if next.Cordons && !cordoned(steps, current) {
 			if err := env.Lock.Confirm(ctx, env.Holder); err != nil {
 				env.Log.Info("not going on to the next step in this run", "next", next.Name, "why", err.Error())
 				return executor.Step{}, 0, false
@@ -373,6 +374,16 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		env.Log = log.WithValues("machine", m.Name, "step", next.Name, "attempt", m.Attempts)
 		return next, r.timeout(next), true
 	}
+}
+
+// cordoned says whether the step named current Cordons: the Confirm made
+// before it covers the one that follows it in the same run (the drain after
+// its cordon), as the one before config's cordon and drain, a single step,
+// covers both. A takeover in between would need the operation stale, and
+// an operation with a run in flight is not (lock.ClusterJudge).
+func cordoned(steps []executor.Step, current string) bool {
+	s, ok := findStep(steps, current)
+	return ok && s.Cordons
 }
 
 // chainable says whether step may start without a status write of its

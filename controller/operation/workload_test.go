@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,9 +20,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -457,6 +460,49 @@ func TestDrainReadsAsOfItsCordon(t *testing.T) {
 			t.Errorf("web's pod %s is still there after the drain", p.Name)
 		}
 	}
+}
+
+// TestDrainFollowsItsCordon: the Confirm of the cluster lock made before a
+// run's cordon covers the drain that follows it in the same run, as it
+// covers config's cordon and drain, one step: with every write of the
+// Lease held at the controller's transport from the moment the Node is
+// cordoned, the pod on it is evicted all the same.
+func TestDrainFollowsItsCordon(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 1))
+	worker := c.fleet.Machines()[1].Name()
+	c.deployment("web", 1, 0)
+	c.waitHealthy("web", 1)
+	pod := c.pods("web")[0]
+	if pod.Spec.NodeName != worker {
+		t.Fatalf("web's pod is on %s, want the worker %s", pod.Spec.NodeName, worker)
+	}
+	var held atomic.Bool
+	whileHeld := make(chan bool, 1)
+	c.start(beforeRequest(func(req *http.Request) bool {
+		n := &corev1.Node{}
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) &&
+			env.Client.Get(context.Background(), keyOfNode(worker), n) == nil && n.Spec.Unschedulable && held.CompareAndSwap(false, true)
+	}, func(*http.Request) { whileHeld <- evictedWithin(pod, 30*time.Second) }))
+	c.create("reboot", rebootSpec(worker))
+	select {
+	case ok := <-whileHeld:
+		if !ok {
+			t.Errorf("web's pod on %s not evicted 30 s into the held Lease write that followed the cordon: the drain waited for a Confirm of its own", worker)
+		}
+	case <-time.After(3 * time.Minute):
+		t.Fatal("the controller wrote no Lease after the cordon")
+	}
+	c.waitSucceeded("reboot", 2*time.Minute)
+}
+
+// evictedWithin reports whether pod is gone, or going, within d.
+func evictedWithin(pod corev1.Pod, d time.Duration) bool {
+	err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, d, true, func(ctx context.Context) (bool, error) {
+		p := &corev1.Pod{}
+		err := env.Client.Get(ctx, client.ObjectKeyFromObject(&pod), p)
+		return apierrors.IsNotFound(err) || err == nil && (p.UID != pod.UID || p.DeletionTimestamp != nil), nil
+	})
+	return err == nil
 }
 
 // nodeHistory follows the named Node from now and returns the versions of
