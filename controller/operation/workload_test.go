@@ -421,13 +421,7 @@ func noPodLists(t *testing.T, since time.Time) {
 // was on it is evicted.
 func TestDrainReadsAsOfItsCordon(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	worker := c.fleet.Machines()[1].Name()
-	c.deployment("web", 1, 0)
-	c.waitHealthy("web", 1)
-	before := c.pods("web")[0]
-	if before.Spec.NodeName != worker {
-		t.Fatalf("web's pod is on %s, want the worker %s", before.Spec.NodeName, worker)
-	}
+	worker, before := c.webOnTheWorker()
 	versions := nodeHistory(t, worker)
 	var mu sync.Mutex
 	var reads []url.Values
@@ -469,13 +463,7 @@ func TestDrainReadsAsOfItsCordon(t *testing.T) {
 // cordoned, the pod on it is evicted all the same.
 func TestDrainFollowsItsCordon(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
-	worker := c.fleet.Machines()[1].Name()
-	c.deployment("web", 1, 0)
-	c.waitHealthy("web", 1)
-	pod := c.pods("web")[0]
-	if pod.Spec.NodeName != worker {
-		t.Fatalf("web's pod is on %s, want the worker %s", pod.Spec.NodeName, worker)
-	}
+	worker, pod := c.webOnTheWorker()
 	var held atomic.Bool
 	whileHeld := make(chan bool, 1)
 	c.start(beforeRequest(func(req *http.Request) bool {
@@ -493,6 +481,21 @@ func TestDrainFollowsItsCordon(t *testing.T) {
 		t.Fatal("the controller wrote no Lease after the cordon")
 	}
 	c.waitSucceeded("reboot", 2*time.Minute)
+}
+
+// webOnTheWorker runs one pod of a Deployment web on a fleet of a control
+// plane and a worker, where it lands on the worker (the control plane is
+// tainted), and returns the worker and the pod.
+func (c *cluster) webOnTheWorker() (string, corev1.Pod) {
+	c.t.Helper()
+	worker := c.fleet.Machines()[1].Name()
+	c.deployment("web", 1, 0)
+	c.waitHealthy("web", 1)
+	pod := c.pods("web")[0]
+	if pod.Spec.NodeName != worker {
+		c.t.Fatalf("web's pod is on %s, want the worker %s", pod.Spec.NodeName, worker)
+	}
+	return worker, pod
 }
 
 // evictedWithin reports whether pod is gone, or going, within d.
