@@ -492,8 +492,9 @@ func BenchmarkReaction(b *testing.B) {
 // request on the API server, and a retry or a resume twice from the
 // request sent (the operator's write, then the controller's): one write of
 // an operation at the API server, here a status update that starts one
-// more machine, at the operation sizes the other benchmarks run. It reports the median and the 99th percentile of
-// 20 writes in milliseconds, beside the reactions' 50 ms budget.
+// more machine, at the operation sizes the other benchmarks run. It
+// reports the median and the 99th percentile of 20 writes in
+// milliseconds, beside the reactions' 50 ms budget.
 func BenchmarkStatusWrite(b *testing.B) {
 	for _, machines := range []int{21, 300, 1000, 5000} {
 		b.Run(fmt.Sprintf("machines=%d", machines), func(b *testing.B) {

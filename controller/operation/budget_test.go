@@ -4,7 +4,6 @@ import (
 	"context"
 	"net/http"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -90,15 +89,14 @@ func TestOperatorCordonsMeanwhile(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	m := c.fleet.Machines()[1]
 	w := m.Name()
-	var raced atomic.Bool
-	operator := make(chan error, 1)
-	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
+	race, operator := holdingFirst(func(req *http.Request) bool {
 		return req.Method == http.MethodPatch && strings.HasSuffix(req.URL.Path, "/nodes/"+w) &&
-			bodyContains(req, `"unschedulable":true`) && raced.CompareAndSwap(false, true)
-	}, func(req *http.Request) {
+			bodyContains(req, `"unschedulable":true`)
+	}, func(req *http.Request) error {
 		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: w}}
-		operator <- env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
-	}))
+		return env.Client.Patch(req.Context(), n, client.RawPatch(types.MergePatchType, []byte(`{"spec":{"unschedulable":true}}`)))
+	})
+	c.startWith(testcluster.StartController, race)
 	op := talosSpec("v1.13.7")
 	op.Machines = onlyMachine(m)
 	c.create("upgrade", op)

@@ -192,15 +192,24 @@ func TestUncordonBesideItsWrite(t *testing.T) {
 // alone, holds at the controller's transport the first status write that
 // records says is the one, and sends what during answers while it is held.
 func (c *cluster) upgradeHoldingWrite(m *sim.Machine, records func(*http.Request) bool, during func() bool) <-chan bool {
-	var held atomic.Bool
-	whileHeld := make(chan bool, 1)
-	c.startWith(testcluster.StartController, beforeRequest(func(req *http.Request) bool {
-		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && records(req) && held.CompareAndSwap(false, true)
-	}, func(*http.Request) { whileHeld <- during() }))
+	hold, whileHeld := holdingFirst(func(req *http.Request) bool {
+		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/status") && records(req)
+	}, func(*http.Request) bool { return during() })
+	c.startWith(testcluster.StartController, hold)
 	op := talosSpec("v1.13.7")
 	op.Machines = onlyMachine(m)
 	c.create("upgrade", op)
 	return whileHeld
+}
+
+// holdingFirst holds at the controller's transport the first of its
+// requests that match says is the one, and sends what during answers while
+// that request is held.
+func holdingFirst[T any](match func(*http.Request) bool, during func(*http.Request) T) (controllerOption, <-chan T) {
+	var held atomic.Bool
+	answer := make(chan T, 1)
+	return beforeRequest(func(req *http.Request) bool { return match(req) && held.CompareAndSwap(false, true) },
+		func(req *http.Request) { answer <- during(req) }), answer
 }
 
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.

@@ -10,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -464,13 +463,12 @@ func TestDrainReadsAsOfItsCordon(t *testing.T) {
 func TestDrainFollowsItsCordon(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	worker, pod := c.webOnTheWorker()
-	var held atomic.Bool
-	whileHeld := make(chan bool, 1)
-	c.start(beforeRequest(func(req *http.Request) bool {
+	hold, whileHeld := holdingFirst(func(req *http.Request) bool {
 		n := &corev1.Node{}
 		return req.Method == http.MethodPut && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName) &&
-			env.Client.Get(context.Background(), keyOfNode(worker), n) == nil && n.Spec.Unschedulable && held.CompareAndSwap(false, true)
-	}, func(*http.Request) { whileHeld <- evictedWithin(pod, 30*time.Second) }))
+			env.Client.Get(context.Background(), keyOfNode(worker), n) == nil && n.Spec.Unschedulable
+	}, func(*http.Request) bool { return evictedWithin(pod, 30*time.Second) })
+	c.start(hold)
 	c.create("reboot", rebootSpec(worker))
 	select {
 	case ok := <-whileHeld:
