@@ -126,11 +126,13 @@ type Lock struct {
 	Now func() time.Time
 
 	// mu guards last: the Lease as this Lock last read it live or wrote
-	// it. Confirm makes its guarded write on it, so that confirming costs
-	// one round trip while nobody else writes the Lease (a stale one only
-	// makes that write conflict, and Confirm reads the Lease again).
-	mu   sync.Mutex
-	last *coordinationv1.Lease
+	// it, and lastAt, when that read or write came back. Confirm makes its
+	// guarded write on it, so that confirming costs one round trip while
+	// nobody else writes the Lease (a stale one only makes that write
+	// conflict, and Confirm reads the Lease again).
+	mu     sync.Mutex
+	last   *coordinationv1.Lease
+	lastAt time.Time
 	// confirms has an entry for each holder whose Confirm is under way: the
 	// round of Confirms that waits for it, nil while none does (guarded by mu).
 	confirms map[Holder]*confirmed
@@ -140,14 +142,14 @@ type Lock struct {
 func (l *Lock) remember(lease *coordinationv1.Lease) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.last = lease
+	l.last, l.lastAt = lease, time.Now()
 }
 
 // lastSeen is the last Lease seen, for a guarded write.
 func (l *Lock) lastSeen() Seen {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return Seen{l.last}
+	return Seen{l.last, l.lastAt}
 }
 
 // Request is a taker's request for the lock.
@@ -179,11 +181,21 @@ type Result struct {
 	TookOver string
 	// Seen is the Lease as Acquire read or wrote it, for ConfirmSeen.
 	Seen Seen
+	// FreeAt, for a free lock taken (not taken over), is a moment at which
+	// the Lease was the free one the take was written on: the read or the
+	// write that showed it came back then. The guarded take proves that
+	// nobody wrote the Lease from then until the take, so no holder came
+	// between: what the taker read of the cluster after FreeAt, it reads
+	// as of holding the lock.
+	FreeAt time.Time
 }
 
 // Seen is a Lease that one of the Lock's calls read from the API server
 // itself (or wrote) and in which the taker held the lock.
-type Seen struct{ lease *coordinationv1.Lease }
+type Seen struct {
+	lease *coordinationv1.Lease
+	at    time.Time // when the read or the write came back
+}
 
 // State is the lock as it is now.
 type State struct {
@@ -321,6 +333,12 @@ func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease
 // machine without a Confirm, whose guarded write fails (and reads the Lease
 // again) if anybody else wrote the Lease since.
 //
+// A free lock that this Lock last saw free (most often the release it
+// wrote for the holder before, in the same controller) is taken on that
+// copy, without a read: the take is a guarded write, which conflicts if
+// anybody wrote the Lease since. Every other decision, a wait above all,
+// rests on a live read, so that the reason it gives is current.
+//
 // A take whose guarded write conflicts decides once more, at once, from the
 // Lease read again: somebody wrote it between the read and the write, most
 // often the holder judged over releasing it itself (a completed operation
@@ -336,14 +354,30 @@ func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
 
 func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	if seen := l.lastSeen(); seen.lease != nil {
-		if st, err := stateOf(seen.lease); err == nil && st.Holds(req.Holder) {
+		st, err := stateOf(seen.lease)
+		switch {
+		case err != nil:
+		case st.Holds(req.Holder):
 			return Result{Acquired: true, AlreadyHeld: true, Holder: req.Holder.Identity, Since: st.Since, Seen: seen}, nil
+		case st.Free():
+			ahead, err := l.ahead(ctx, req, st.Waiting)
+			if err != nil {
+				return Result{}, err
+			}
+			if ahead == "" {
+				res, err := l.take(ctx, seen.lease, st, req.Holder, "", seen.at)
+				if !apierrors.IsNotFound(err) {
+					return res, err
+				}
+				// Deleted since: the live read below finds no Lease and creates it.
+			}
 		}
 	}
 	lease, err := l.read(ctx, l.live())
 	if err != nil {
 		return Result{}, err
 	}
+	readAt := time.Now()
 	if lease == nil {
 		if ahead, err := l.ahead(ctx, req, nil); err != nil || ahead != "" {
 			return Result{Ahead: ahead}, err
@@ -358,7 +392,7 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	switch {
 	case st.Holds(me):
 		// Its own, or lent by it to its Job: it still holds it, through the borrower.
-		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since, Seen: Seen{lease}}, nil
+		return Result{Acquired: true, AlreadyHeld: true, Holder: me.Identity, Since: st.Since, Seen: Seen{lease, readAt}}, nil
 	case st.Holder.UID == "" && st.Holder.Identity == me.Identity:
 		// Taken before holders' UIDs were recorded: it is this holder's.
 		if err := l.write(ctx, lease, func(le *coordinationv1.Lease) { setHolder(le, me, st.Since) }); err != nil {
@@ -387,8 +421,14 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 		}
 		return l.wait(ctx, lease, st, req, res)
 	}
+	return l.take(ctx, lease, st, me, tookOver, readAt)
+}
+
+// take writes me as the holder of lease (whose state is st, as of seenAt),
+// out of the queue, noting the stale holder it took over from, if any.
+func (l *Lock) take(ctx context.Context, lease *coordinationv1.Lease, st State, me Holder, tookOver string, seenAt time.Time) (Result, error) {
 	now := l.now()
-	err = l.write(ctx, lease, func(le *coordinationv1.Lease) {
+	err := l.write(ctx, lease, func(le *coordinationv1.Lease) {
 		setHolder(le, me, now)
 		setWaiting(le, slices.DeleteFunc(st.Waiting, func(w ichorv1.LockWaiter) bool { return w.UID == me.UID }))
 		if tookOver != "" {
@@ -398,7 +438,11 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	return Result{Acquired: true, Holder: me.Identity, Since: now, TookOver: tookOver}, nil
+	res := Result{Acquired: true, Holder: me.Identity, Since: now, TookOver: tookOver}
+	if tookOver == "" {
+		res.FreeAt = seenAt
+	}
+	return res, nil
 }
 
 // ahead names the waiter that goes before the request, if any.

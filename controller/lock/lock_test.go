@@ -403,6 +403,64 @@ func TestHolderAcquiresFromWhatItSaw(t *testing.T) {
 	}
 }
 
+// TestTakeFromTheRelease: an operation waiting for the lock takes it,
+// without reading the Lease, from the release this Lock wrote for the
+// holder before it (an operation's end, in the same controller). The copy
+// is only a guarded write's basis: when somebody else took the lock since,
+// the waiter waits behind that holder, as a live read shows it; when the
+// Lease was deleted since, the waiter creates it.
+func TestTakeFromTheRelease(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		// since changes the Lease after the release, through another Lock.
+		since func(w *world, c lock.Holder)
+		want  func(b, c lock.Holder) string // the holder after b's Acquire
+		reads int                           // b's live reads of the Lease
+	}{
+		{name: "nobody wrote it since", want: func(b, _ lock.Holder) string { return b.Identity }},
+		{name: "another controller took it since", since: func(w *world, c lock.Holder) { mustAcquire(w.t, newLock(w.ns), c) },
+			want: func(_, c lock.Holder) string { return c.Identity }, reads: 1},
+		{name: "it was deleted since", since: func(w *world, _ lock.Holder) {
+			lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: ichorv1.LockLeaseName}}
+			if err := env.Client.Delete(ctx, lease); err != nil {
+				w.t.Fatal(err)
+			}
+		}, want: func(b, _ lock.Holder) string { return b.Identity }, reads: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t)
+			live := &countingReader{Reader: env.Client}
+			l := newLock(w.ns)
+			l.Live = live
+			a, b, c := holds(w.op("a", running)), holds(w.op("b", running)), holds(w.op("c", running))
+			mustAcquire(t, l, a)
+			if _, released, err := l.Release(ctx, a); err != nil || !released {
+				t.Fatalf("a releases: %v %v", released, err)
+			}
+			if tc.since != nil {
+				tc.since(w, c)
+			}
+			before := live.reads
+			res, err := l.Acquire(ctx, lock.Request{Holder: b})
+			reads := live.reads - before
+			if err != nil {
+				t.Fatalf("b's Acquire after a's release: %v", err)
+			}
+			if reads != tc.reads {
+				t.Errorf("b's Acquire read the Lease %d time(s), want %d", reads, tc.reads)
+			}
+			want := tc.want(b, c)
+			if st, _ := l.Current(ctx); st.Holder.Identity != want {
+				t.Errorf("the Lease's holder after b's Acquire: %q, want %q", st.Holder.Identity, want)
+			}
+			if res.Acquired != (want == b.Identity) || (!res.Acquired && res.Holder != want) {
+				t.Errorf("b's Acquire: %+v, want the lock held by %s", res, want)
+			}
+		})
+	}
+}
+
 // TestTakeoverMeetsTheRelease: b judges the holder a over (completed) from
 // the Lease it read, and a releases the lock before b writes, as a
 // completed operation does right after it records its end. b's guarded
