@@ -42,7 +42,7 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 		}
 	}
 	status.Lock, status.LockHolder = ichorv1.LockHeld, ""
-	t.lockSeen = res.Seen
+	t.lockSeen, t.freeAt = res.Seen, res.FreeAt
 	return true, nil
 }
 

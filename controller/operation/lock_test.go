@@ -11,7 +11,9 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"google.golang.org/grpc/codes"
@@ -20,6 +22,7 @@ import (
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/lock"
+	"maesh.dev/ichor/controller/preflight"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -307,6 +310,67 @@ func TestJobHolder(t *testing.T) {
 	c.waitSucceeded("reboot", time.Minute)
 	if st := c.lockHolder(); st.TakenOverFrom != id+" (finished)" {
 		t.Errorf("takeover note %q", st.TakenOverFrom)
+	}
+}
+
+// TestChecksAgainOnceTheLockIsHeld: the checks an operation passed before
+// it took the lock are made again once it holds it when the cluster may
+// have changed between the two. Here the Job holding the lock moves
+// kube-proxy to Kubernetes v1.20.0 (which Talos v1.13 does not run) and
+// lets the lock go while the waiting upgrade's turn, its checks passed,
+// reads the Lease: that turn takes the lock, and the upgrade is refused
+// once it holds it, with nothing disrupted.
+func TestChecksAgainOnceTheLockIsHeld(t *testing.T) {
+	ctx := context.Background()
+	spec := sim.Cluster("", 1, 1)
+	spec.KubeProxy = true
+	c := newCluster(t, spec)
+	t.Cleanup(func() { removeKubeProxy(t) })
+	job := c.runningJob("holder")
+	l := &lock.Lock{Client: env.Client, Namespace: c.ctrlNS, Judge: lock.ClusterJudge{Client: env.Client}}
+	if res, err := l.Acquire(ctx, lock.Request{Holder: lock.ForJob(job)}); err != nil || !res.Acquired {
+		t.Fatalf("the Job takes the lock: %+v %v", res, err)
+	}
+	var armed atomic.Bool
+	hold, whileHeld := holdingFirst(func(req *http.Request) bool {
+		return armed.Load() && req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName)
+	}, func(*http.Request) error {
+		ds := &appsv1.DaemonSet{}
+		if err := env.Client.Get(ctx, keyOf("kube-system", "kube-proxy"), ds); err != nil {
+			return err
+		}
+		ds.Spec.Template.Spec.Containers[0].Image = "registry.k8s.io/kube-proxy:v1.20.0"
+		if err := env.Client.Update(ctx, ds); err != nil {
+			return err
+		}
+		_, _, err := l.Release(ctx, lock.ForJob(job))
+		return err
+	})
+	c.start(hold)
+	c.create("upgrade", talosSpec("v1.13.7"))
+	// It waits only once its checks have passed.
+	c.waitFor("upgrade", "to wait for the Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Lock == ichorv1.LockWaiting && op.Status.LockHolder == ichorv1.JobIdentity(c.ns, job.Name)
+	})
+	armed.Store(true)
+	c.annotate("upgrade", "test.ichor.maesh.dev/turn", "1") // a turn, which reads the Lease
+	select {
+	case err := <-whileHeld:
+		if err != nil {
+			t.Fatalf("kube-proxy moved and the Job's lock let go while the turn read the Lease: %v", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("no turn read the Lease within a minute")
+	}
+	op := c.waitFor("upgrade", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
+	cond := meta.FindStatusCondition(op.Status.Conditions, preflight.TalosKubernetesSupported)
+	if cond == nil || cond.Status != metav1.ConditionFalse || !strings.Contains(cond.Message, "v1.20.0") || !strings.Contains(cond.Message, "(once the cluster lock was held)") {
+		t.Errorf("condition %s = %+v, want Kubernetes v1.20.0 refused once the cluster lock was held", preflight.TalosKubernetesSupported, cond)
+	}
+	for _, call := range []string{"ImageService/Pull", "Upgrade", "Reboot"} {
+		if n := c.fleet.Recorder().Calls("", call); n > 0 {
+			t.Errorf("the refused upgrade called %s %d time(s)", call, n)
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -33,12 +34,14 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	if !t.started() {
+		checkedAt := time.Now()
 		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
 			return ctrl.Result{}, err
 		}
 		if t.op.PlanChanged() {
 			return ctrl.Result{}, nil // held for a person, without the lock
 		}
+		t.checkedAt = checkedAt
 	}
 	if result, stopped := t.reconcileStopped(ctx); stopped {
 		return result, nil
@@ -48,18 +51,35 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	if !t.started() {
-		if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
+		if ok, err := t.checkOnceHeld(ctx); !ok || err != nil {
 			return ctrl.Result{}, err
-		}
-		if t.op.PlanChanged() {
-			// Planned differently since the check before the lock: held for
-			// a person, and the lock goes to the next in line meanwhile.
-			t.op.Status.Lock = ""
-			return ctrl.Result{}, t.r.release(ctx, t.persisted)
 		}
 		t.start()
 	}
 	return t.reconcileRunning(ctx)
+}
+
+// checkOnceHeld runs the checks again now that the lock is held: a holder
+// may have changed the cluster since they ran before the lock (a
+// Kubernetes upgrade that ended meanwhile). The checks before the lock
+// count as these when they read the cluster after the moment the lock
+// was last known free (lock.Result.FreeAt): the take, a write guarded by
+// that free Lease, proves that no holder came between. That is the turn a
+// release wakes, and it starts one round trip sooner.
+func (t *turn) checkOnceHeld(ctx context.Context) (bool, error) {
+	if !t.checkedAt.IsZero() && !t.freeAt.IsZero() && t.checkedAt.After(t.freeAt) {
+		return true, nil
+	}
+	if ok, err := t.preflight(ctx, "once the cluster lock was held"); !ok || err != nil {
+		return false, err
+	}
+	if t.op.PlanChanged() {
+		// Planned differently since the check before the lock: held for
+		// a person, and the lock goes to the next in line meanwhile.
+		t.op.Status.Lock = ""
+		return false, t.r.release(ctx, t.persisted)
+	}
+	return true, nil
 }
 
 // start records that the operation starts running: its machines are fixed.

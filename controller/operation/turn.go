@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"time"
 
 	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
@@ -66,6 +67,10 @@ type turn struct {
 	// lockSeen is the Lease as acquire read it, holding the lock: launch's
 	// Confirm writes it without reading it again.
 	lockSeen lock.Seen
+	// checkedAt is when the checks before the lock began their reads, once
+	// they passed; freeAt, for a free lock that acquire took, when its
+	// Lease was last known free (checkOnceHeld).
+	checkedAt, freeAt time.Time
 	// events are emitted once status is written.
 	events []func()
 }
