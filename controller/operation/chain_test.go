@@ -212,6 +212,25 @@ func holdingFirst[T any](match func(*http.Request) bool, during func(*http.Reque
 		func(req *http.Request) { answer <- during(req) }), answer
 }
 
+// afterFirstAnswer lets the first of the controller's requests that match
+// says is the one go to the API server, and once its answer is back, before
+// the controller has it, sends what during answers.
+func afterFirstAnswer[T any](match func(*http.Request) bool, during func() T) (controllerOption, <-chan T) {
+	var done atomic.Bool
+	answer := make(chan T, 1)
+	return func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				resp, err := rt.RoundTrip(req)
+				if match(req) && done.CompareAndSwap(false, true) {
+					answer <- during()
+				}
+				return resp, err
+			})
+		})
+	}, answer
+}
+
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.
 func recordsUncordon(req *http.Request) bool {
 	return bodyContains(req, `"step":"`+executor.StepUncordon+`"`)

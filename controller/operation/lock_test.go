@@ -317,9 +317,9 @@ func TestJobHolder(t *testing.T) {
 // it took the lock are made again once it holds it when the cluster may
 // have changed between the two. Here the Job holding the lock moves
 // kube-proxy to Kubernetes v1.20.0 (which Talos v1.13 does not run) and
-// lets the lock go while the waiting upgrade's turn, its checks passed,
-// reads the Lease: that turn takes the lock, and the upgrade is refused
-// once it holds it, with nothing disrupted.
+// lets the lock go right after the upgrade's first checks read
+// kube-proxy's DaemonSet (as it was): that turn takes the lock, and the
+// upgrade is refused once it holds it, with nothing disrupted.
 func TestChecksAgainOnceTheLockIsHeld(t *testing.T) {
 	ctx := context.Background()
 	spec := sim.Cluster("", 1, 1)
@@ -331,10 +331,10 @@ func TestChecksAgainOnceTheLockIsHeld(t *testing.T) {
 	if res, err := l.Acquire(ctx, lock.Request{Holder: lock.ForJob(job)}); err != nil || !res.Acquired {
 		t.Fatalf("the Job takes the lock: %+v %v", res, err)
 	}
-	var armed atomic.Bool
-	hold, whileHeld := holdingFirst(func(req *http.Request) bool {
-		return armed.Load() && req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/leases/"+ichorv1.LockLeaseName)
-	}, func(*http.Request) error {
+	// Only the checks read kube-proxy's DaemonSet from the API server.
+	moved, whileChecking := afterFirstAnswer(func(req *http.Request) bool {
+		return req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/daemonsets/kube-proxy")
+	}, func() error {
 		ds := &appsv1.DaemonSet{}
 		if err := env.Client.Get(ctx, keyOf("kube-system", "kube-proxy"), ds); err != nil {
 			return err
@@ -346,21 +346,15 @@ func TestChecksAgainOnceTheLockIsHeld(t *testing.T) {
 		_, _, err := l.Release(ctx, lock.ForJob(job))
 		return err
 	})
-	c.start(hold)
+	c.start(moved)
 	c.create("upgrade", talosSpec("v1.13.7"))
-	// It waits only once its checks have passed.
-	c.waitFor("upgrade", "to wait for the Job", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		return op.Status.Lock == ichorv1.LockWaiting && op.Status.LockHolder == ichorv1.JobIdentity(c.ns, job.Name)
-	})
-	armed.Store(true)
-	c.annotate("upgrade", "test.ichor.maesh.dev/turn", "1") // a turn, which reads the Lease
 	select {
-	case err := <-whileHeld:
+	case err := <-whileChecking:
 		if err != nil {
-			t.Fatalf("kube-proxy moved and the Job's lock let go while the turn read the Lease: %v", err)
+			t.Fatalf("kube-proxy moved and the Job's lock let go right after the checks read it: %v", err)
 		}
 	case <-time.After(time.Minute):
-		t.Fatal("no turn read the Lease within a minute")
+		t.Fatal("the upgrade's checks did not read kube-proxy's DaemonSet within a minute")
 	}
 	op := c.waitFor("upgrade", "to be refused", time.Minute, (*ichorv1.TalosOperation).Refused)
 	cond := meta.FindStatusCondition(op.Status.Conditions, preflight.TalosKubernetesSupported)
