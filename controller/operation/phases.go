@@ -64,8 +64,11 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 // Kubernetes upgrade that ended meanwhile). The checks before the lock
 // count as these when they read the cluster after the moment the lock
 // was last known free (lock.Result.FreeAt): the take, a write guarded by
-// that free Lease, proves that no holder came between. That is the turn a
-// release wakes, and it starts one round trip sooner.
+// that free Lease, proves that no holder came between. That is the turn
+// that a release by this controller wakes (its Lock takes the lock on the
+// Lease the release wrote), which so starts one round trip sooner. The
+// Nodes, which the turn lists from the cache as it begins, are the same
+// for both runs of the checks.
 func (t *turn) checkOnceHeld(ctx context.Context) (bool, error) {
 	if !t.checkedAt.IsZero() && !t.freeAt.IsZero() && t.checkedAt.After(t.freeAt) {
 		return true, nil
