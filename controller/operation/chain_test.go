@@ -206,29 +206,25 @@ func (c *cluster) upgradeHoldingWrite(m *sim.Machine, records func(*http.Request
 // requests that match says is the one, and sends what during answers while
 // that request is held.
 func holdingFirst[T any](match func(*http.Request) bool, during func(*http.Request) T) (controllerOption, <-chan T) {
-	var held atomic.Bool
-	answer := make(chan T, 1)
-	return beforeRequest(func(req *http.Request) bool { return match(req) && held.CompareAndSwap(false, true) },
-		func(req *http.Request) { answer <- during(req) }), answer
+	isFirst, do, answer := first(match, during)
+	return beforeRequest(isFirst, do), answer
 }
 
 // afterFirstAnswer lets the first of the controller's requests that match
 // says is the one go to the API server, and once its answer is back, before
 // the controller has it, sends what during answers.
-func afterFirstAnswer[T any](match func(*http.Request) bool, during func() T) (controllerOption, <-chan T) {
-	var done atomic.Bool
+func afterFirstAnswer[T any](match func(*http.Request) bool, during func(*http.Request) T) (controllerOption, <-chan T) {
+	isFirst, do, answer := first(match, during)
+	return afterAnswer(isFirst, do), answer
+}
+
+// first passes the first request that match passes, and its do sends what
+// during answers for that request on the channel it returns.
+func first[T any](match func(*http.Request) bool, during func(*http.Request) T) (func(*http.Request) bool, func(*http.Request), <-chan T) {
+	var seen atomic.Bool
 	answer := make(chan T, 1)
-	return func(_ *app.Options, cfg **rest.Config) {
-		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
-			return roundTripper(func(req *http.Request) (*http.Response, error) {
-				resp, err := rt.RoundTrip(req)
-				if match(req) && done.CompareAndSwap(false, true) {
-					answer <- during()
-				}
-				return resp, err
-			})
-		})
-	}, answer
+	return func(req *http.Request) bool { return match(req) && seen.CompareAndSwap(false, true) },
+		func(req *http.Request) { answer <- during(req) }, answer
 }
 
 // recordsUncordon reports whether a status write's body has a machine at the uncordon step.
@@ -246,6 +242,22 @@ func beforeRequest(match func(*http.Request) bool, do func(*http.Request)) contr
 					do(req)
 				}
 				return rt.RoundTrip(req)
+			})
+		})
+	}
+}
+
+// afterAnswer sends each of the controller's requests, then, for those
+// that match says, calls do before the controller has the answer.
+func afterAnswer(match func(*http.Request) bool, do func(*http.Request)) controllerOption {
+	return func(_ *app.Options, cfg **rest.Config) {
+		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
+			return roundTripper(func(req *http.Request) (*http.Response, error) {
+				resp, err := rt.RoundTrip(req)
+				if match(req) {
+					do(req)
+				}
+				return resp, err
 			})
 		})
 	}

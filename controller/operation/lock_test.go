@@ -334,7 +334,7 @@ func TestChecksAgainOnceTheLockIsHeld(t *testing.T) {
 	// Only the checks read kube-proxy's DaemonSet from the API server.
 	moved, whileChecking := afterFirstAnswer(func(req *http.Request) bool {
 		return req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/daemonsets/kube-proxy")
-	}, func() error {
+	}, func(*http.Request) error {
 		ds := &appsv1.DaemonSet{}
 		if err := env.Client.Get(ctx, keyOf("kube-system", "kube-proxy"), ds); err != nil {
 			return err
