@@ -241,20 +241,9 @@ type TalosOperationStatus struct {
 	// Current names the machine (or machines) being worked on.
 	// +optional
 	Current string `json:"current,omitempty"`
-	// The entries' schema (MachineStatus) is not declared to the API server,
-	// which would otherwise check, prune and default every field of every
-	// entry on every write of the operation: for an operation of 1,000
-	// machines that was about half of the API server's CPU per status
-	// write. Only the controller writes status, from the typed
-	// MachineStatus.
-
-	// Machines has one entry per machine in scope, in execution order: its
-	// name, role (controlplane, worker), phase (Pending, Skipped,
-	// InProgress, Succeeded, Failed), step, attempts, startedAt, finishedAt,
-	// from, to, bootID, calls, stopped and message.
+	// Machines has one entry per machine in scope, in execution order.
 	// +optional
-	// +kubebuilder:validation:Schemaless
-	// +kubebuilder:pruning:PreserveUnknownFields
+	// +listType=atomic
 	Machines []MachineStatus `json:"machines,omitempty"`
 	// LastRetry is when the controller last acted on a retry request.
 	// +optional
