@@ -136,6 +136,16 @@ type Lock struct {
 	// confirms has an entry for each holder whose Confirm is under way: the
 	// round of Confirms that waits for it, nil while none does (guarded by mu).
 	confirms map[Holder]*confirmed
+	// ending has an entry for each holder (by UID) whose end this process
+	// is recording (Ending; guarded by mu).
+	ending map[types.UID]*ending
+}
+
+// ending is a holder's end being recorded: done closes once its release is
+// written or given up; waiting counts the Acquires that wait for it.
+type ending struct {
+	done    chan struct{}
+	waiting int
 }
 
 // remember keeps lease as the last one seen.
@@ -150,6 +160,71 @@ func (l *Lock) lastSeen() Seen {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return Seen{l.last, l.lastAt}
+}
+
+// Ending says that h's end (its operation Succeeded, say) is being written
+// by this process, which releases the lock right after: until the returned
+// done is called, an Acquire that finds h holding the lock waits for that
+// release instead of judging h and taking the lock over. A takeover written
+// then would only conflict with the release, and its taker would read the
+// Lease again to take the lock free. Call done once the release is written,
+// or will not be (the end's write failed): it is what lets the waiters go
+// on, and a waiter that finds h still holding the lock then judges it as
+// before.
+func (l *Lock) Ending(h Holder) (done func()) {
+	e := &ending{done: make(chan struct{})}
+	l.mu.Lock()
+	if l.ending == nil {
+		l.ending = map[types.UID]*ending{}
+	}
+	l.ending[h.UID] = e
+	l.mu.Unlock()
+	return sync.OnceFunc(func() {
+		l.mu.Lock()
+		if l.ending[h.UID] == e {
+			delete(l.ending, h.UID)
+		}
+		l.mu.Unlock()
+		close(e.done)
+	})
+}
+
+// endingWait bounds how long an Acquire waits for an ending holder's
+// release: that is a turn's status write and a Lease write, and a release
+// that takes longer is left to the judge.
+var endingWait = 5 * time.Second
+
+// awaitEnd waits for the release of h when this process is recording h's
+// end, and reports whether it came (false: h is not ending here, or its
+// release took longer than endingWait).
+func (l *Lock) awaitEnd(ctx context.Context, h Holder) (bool, error) {
+	if h.UID == "" {
+		return false, nil
+	}
+	l.mu.Lock()
+	e := l.ending[h.UID]
+	if e != nil {
+		e.waiting++
+	}
+	l.mu.Unlock()
+	if e == nil {
+		return false, nil
+	}
+	defer func() {
+		l.mu.Lock()
+		e.waiting--
+		l.mu.Unlock()
+	}()
+	timer := time.NewTimer(endingWait)
+	defer timer.Stop()
+	select {
+	case <-e.done:
+		return true, nil
+	case <-timer.C:
+		return false, nil
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
 }
 
 // Request is a taker's request for the lock.
@@ -343,7 +418,9 @@ func (l *Lock) read(ctx context.Context, r client.Reader) (*coordinationv1.Lease
 // Lease read again: somebody wrote it between the read and the write, most
 // often the holder judged over releasing it itself (a completed operation
 // lets go right after it records its end). The caller's next turn would
-// come to the same decision a requeue later.
+// come to the same decision a requeue later. A holder whose end this
+// process is writing (Ending) is not judged at all: Acquire waits for its
+// release, then decides on the Lease that the release wrote.
 func (l *Lock) Acquire(ctx context.Context, req Request) (Result, error) {
 	res, err := l.acquire(ctx, req)
 	if errors.Is(err, ErrConflict) {
@@ -389,6 +466,15 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 		return Result{}, err
 	}
 	me := req.Holder
+	if !st.Free() && !st.Holds(me) {
+		if ended, err := l.awaitEnd(ctx, st.Holder); err != nil || ended {
+			if err != nil {
+				return Result{}, err
+			}
+			// Decide again, most often on the free Lease that the release wrote.
+			return l.acquire(ctx, req)
+		}
+	}
 	switch {
 	case st.Holds(me):
 		// Its own, or lent by it to its Job: it still holds it, through the borrower.

@@ -759,3 +759,92 @@ func TestLendToJob(t *testing.T) {
 		t.Fatalf("the taker's lock still says it was lent: %+v", st)
 	}
 }
+
+// TestAwaitTheEndingRelease: b's Acquire finds the lock held by a, whose
+// end this process is writing (Ending), and waits for a's release instead
+// of judging a: once a releases, b takes the lock free from the Lease the
+// release wrote, without reading it again and without a takeover. When a's
+// end is given up without a release (its status write failed, so a runs
+// on), b waits behind a, as the judge says; when a's release takes longer
+// than the wait, b judges a completed and takes the lock over, as before.
+func TestAwaitTheEndingRelease(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		// status is a's, as b's Acquire finds it.
+		status ichorv1.TalosOperationStatus
+		// end is what a's turn does once b waits for it (nil: nothing,
+		// within the wait); done lets b go on.
+		end func(t *testing.T, l *lock.Lock, a lock.Holder, done func())
+		// taken says whether b takes the lock (from a, when tookOver).
+		taken, tookOver bool
+		// judged is how many times b's Acquire asks the judge; reads counts
+		// the live reads of the Lease, a's release's included.
+		judged, reads int
+	}{
+		{name: "a releases", status: running, end: func(t *testing.T, l *lock.Lock, a lock.Holder, done func()) {
+			if _, released, err := l.Release(ctx, a); err != nil || !released {
+				t.Errorf("a releases: %v %v", released, err)
+			}
+			done()
+		}, taken: true, reads: 2},
+		{name: "a's end is given up", status: running, end: func(_ *testing.T, _ *lock.Lock, _ lock.Holder, done func()) { done() },
+			judged: 1, reads: 2},
+		{name: "a's release takes too long", status: ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded},
+			taken: true, tookOver: true, judged: 1, reads: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			wait := time.Minute
+			if tc.end == nil {
+				wait = 100 * time.Millisecond
+			}
+			defer lock.SetEndingWait(wait)()
+			w := newWorld(t)
+			l := newLock(w.ns)
+			a, b := holds(w.op("a", tc.status)), holds(w.op("b", running))
+			mustAcquire(t, l, a)
+			judge, judged := l.Judge, 0
+			l.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
+				judged++
+				return judge.Stale(ctx, h)
+			})
+			live := &countingReader{Reader: env.Client}
+			l.Live = live
+			done := l.Ending(a)
+			defer done()
+			got := make(chan lock.Result, 1)
+			go func() {
+				res, err := l.Acquire(ctx, lock.Request{Holder: b})
+				if err != nil {
+					t.Errorf("b's Acquire: %v", err)
+				}
+				got <- res
+			}()
+			if tc.end != nil {
+				testenv.Eventually(t, 30*time.Second, "b waiting for a's release", func(context.Context) (bool, error) {
+					return lock.EndWaiting(l, a) == 1, nil
+				})
+				tc.end(t, l, a, done)
+			}
+			var res lock.Result
+			select {
+			case res = <-got:
+			case <-time.After(30 * time.Second):
+				t.Fatal("b's Acquire did not return")
+			}
+			want := a
+			if tc.taken {
+				want = b
+			}
+			if res.Acquired != tc.taken || res.Holder != want.Identity || (res.TookOver != "") != tc.tookOver {
+				t.Errorf("b's Acquire: %+v, want acquired %v by %s, a takeover %v", res, tc.taken, want.Identity, tc.tookOver)
+			}
+			if judged != tc.judged || live.reads != tc.reads {
+				t.Errorf("b's Acquire asked the judge %d time(s), and the Lease was read %d time(s), want %d and %d", judged, live.reads, tc.judged, tc.reads)
+			}
+			if st, _ := l.Current(ctx); st.Holder != want {
+				t.Errorf("the Lease's holder: %s, want %s", st.Holder, want)
+			}
+		})
+	}
+}

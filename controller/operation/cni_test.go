@@ -1,7 +1,6 @@
 package operation_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -385,29 +384,49 @@ func lent(obj runtime.Object) bool {
 // path whose object (JSON or protobuf) matches, once the API server
 // accepted it and before the controller sees the answer.
 func afterWrite(method, path string, match func(runtime.Object) bool, do func()) controllerOption {
-	decoder := serializer.NewCodecFactory(app.Scheme).UniversalDeserializer()
 	return func(_ *app.Options, cfg **rest.Config) {
 		(*cfg).Wrap(func(rt http.RoundTripper) http.RoundTripper {
 			return roundTripper(func(req *http.Request) (*http.Response, error) {
 				if req.Method != method || !strings.HasSuffix(req.URL.Path, path) {
 					return rt.RoundTrip(req)
 				}
-				body, err := io.ReadAll(req.Body)
-				if err != nil {
-					return nil, err
-				}
-				req.Body = io.NopCloser(bytes.NewReader(body))
+				obj := requestObject(req)
 				resp, err := rt.RoundTrip(req)
 				if err != nil || resp.StatusCode >= http.StatusMultipleChoices {
 					return resp, err
 				}
-				if obj, _, derr := decoder.Decode(body, nil, nil); derr == nil && match(obj) {
+				if obj != nil && match(obj) {
 					do()
 				}
 				return resp, err
 			})
 		})
 	}
+}
+
+// requestDecoder decodes the objects of the controller's requests, JSON or protobuf.
+var requestDecoder = serializer.NewCodecFactory(app.Scheme).UniversalDeserializer()
+
+// requestObject is the object a request sends, nil when it sends none
+// that decodes.
+func requestObject(req *http.Request) runtime.Object {
+	if req.GetBody == nil {
+		return nil
+	}
+	body, err := req.GetBody()
+	if err != nil {
+		return nil
+	}
+	defer body.Close()
+	raw, err := io.ReadAll(body)
+	if err != nil {
+		return nil
+	}
+	obj, _, err := requestDecoder.Decode(raw, nil, nil)
+	if err != nil {
+		return nil
+	}
+	return obj
 }
 
 type roundTripper func(*http.Request) (*http.Response, error)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -125,6 +126,62 @@ func entryOf(op *ichorv1.TalosOperation, name string) *ichorv1.MachineStatus {
 		}
 	}
 	return nil
+}
+
+// TestTheWaiterAwaitsTheRelease: a holder that completes releases the
+// lock right after it records its end, and the operation waiting for the
+// lock, which that end wakes in the same controller, waits for the release
+// instead of taking a completed holder over (a takeover would only
+// conflict with the release, or, as here, win and leave a note about a
+// holder that was letting go anyway). The release is slow (a second, as
+// on a loaded API server), so the waiter's turn comes between the two.
+func TestTheWaiterAwaitsTheRelease(t *testing.T) {
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+	hang := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Reboot"})
+	var released atomic.Int32
+	c.start(slowRelease(c.ctrlNS, time.Second, &released))
+	c.create("a-reboot", rebootSpec(w1))
+	c.waitFor("a-reboot", "to reach its reboot", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == executor.StepReboot
+	})
+	c.create("b-reboot", rebootSpec(w2))
+	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Lock == ichorv1.LockWaiting
+	})
+	hang()
+	a := c.waitSucceeded("a-reboot", time.Minute)
+	b := c.waitSucceeded("b-reboot", time.Minute)
+	if released.Load() == 0 {
+		t.Fatal("no release of the lock was slowed: the test did not come between an end and its release")
+	}
+	if st := c.lockHolder(); st.TakenOverFrom != "" {
+		t.Errorf("b-reboot took the lock over from %q, whose release was under way", st.TakenOverFrom)
+	}
+	if b.Status.StartTime.Before(a.Status.CompletionTime) {
+		t.Errorf("b-reboot started (%s) before a-reboot completed (%s)", b.Status.StartTime, a.Status.CompletionTime)
+	}
+}
+
+// slowRelease holds each of the controller's releases of the cluster lock
+// in the controller namespace ns (a write of the lock Lease that names no
+// holder) for delay, and counts them in released.
+func slowRelease(ns string, delay time.Duration, released *atomic.Int32) controllerOption {
+	isRelease := func(req *http.Request) bool {
+		if req.Method != http.MethodPut || !strings.HasSuffix(req.URL.Path, "/namespaces/"+ns+"/leases/"+ichorv1.LockLeaseName) {
+			return false
+		}
+		lease, ok := requestObject(req).(*coordinationv1.Lease)
+		return ok && lease.Spec.HolderIdentity == nil
+	}
+	return beforeRequest(isRelease, func(req *http.Request) {
+		released.Add(1)
+		select {
+		case <-time.After(delay):
+		case <-req.Context().Done():
+		}
+	})
 }
 
 // TestTakeover: a holder paused on a failed step loses the lock to the next

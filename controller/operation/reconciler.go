@@ -134,6 +134,11 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	deriveStatus(t.op, t.now, t.why)
 	t.announce()
 	t.launchChained()
+	if t.op.Succeeded() || t.op.Refused() {
+		// The release follows the write of the end: a waiter's turn in this
+		// controller waits for it instead of taking the lock over.
+		defer t.r.Lock.Ending(t.holder())()
+	}
 	check := t.checkLockBeside(ctx)
 	werr := t.write(ctx)
 	_ = check.wait() // it ends with the turn; launch reads its answer
