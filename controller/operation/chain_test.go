@@ -265,16 +265,22 @@ func afterAnswer(match func(*http.Request) bool, do func(*http.Request)) control
 
 // bodyContains reports whether the request's body contains s.
 func bodyContains(req *http.Request, s string) bool {
+	raw, ok := requestBody(req)
+	return ok && strings.Contains(string(raw), s)
+}
+
+// requestBody is a copy of the request's body, read without consuming it.
+func requestBody(req *http.Request) ([]byte, bool) {
 	if req.GetBody == nil {
-		return false
+		return nil, false
 	}
 	body, err := req.GetBody()
 	if err != nil {
-		return false
+		return nil, false
 	}
 	defer body.Close()
 	raw, err := io.ReadAll(body)
-	return err == nil && strings.Contains(string(raw), s)
+	return raw, err == nil
 }
 
 // schedulableWithin reports whether the Node is schedulable, and no longer

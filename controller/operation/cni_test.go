@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -410,16 +409,8 @@ var requestDecoder = serializer.NewCodecFactory(app.Scheme).UniversalDeserialize
 // requestObject is the object a request sends, nil when it sends none
 // that decodes.
 func requestObject(req *http.Request) runtime.Object {
-	if req.GetBody == nil {
-		return nil
-	}
-	body, err := req.GetBody()
-	if err != nil {
-		return nil
-	}
-	defer body.Close()
-	raw, err := io.ReadAll(body)
-	if err != nil {
+	raw, ok := requestBody(req)
+	if !ok {
 		return nil
 	}
 	obj, _, err := requestDecoder.Decode(raw, nil, nil)
