@@ -467,10 +467,11 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	}
 	me := req.Holder
 	if !st.Free() && !st.Holds(me) {
-		if ended, err := l.awaitEnd(ctx, st.Holder); err != nil || ended {
-			if err != nil {
-				return Result{}, err
-			}
+		ended, err := l.awaitEnd(ctx, st.Holder)
+		if err != nil {
+			return Result{}, err
+		}
+		if ended {
 			// Decide again, most often on the free Lease that the release wrote.
 			return l.acquire(ctx, req)
 		}
