@@ -134,7 +134,8 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	deriveStatus(t.op, t.now, t.why)
 	t.announce()
 	t.launchChained()
-	if t.op.Succeeded() || t.op.Refused() {
+	ends := t.op.Succeeded() || t.op.Refused()
+	if ends {
 		// The release follows the write of the end: a waiter's turn in this
 		// controller waits for it instead of taking the lock over.
 		defer t.r.Lock.Ending(t.holder())()
@@ -148,7 +149,7 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	if err != nil {
 		return ctrl.Result{}, err
 	}
-	if t.op.Succeeded() || t.op.Refused() {
+	if ends {
 		// The step that ends the operation runs now that its end is
 		// written; then the next operation may come in at once, not a
 		// watch round trip later.
