@@ -59,7 +59,7 @@ func (j ClusterJudge) Stale(ctx context.Context, h Holder) (Verdict, error) {
 		if gone, err := j.get(ctx, key, op, h.UID); gone || err != nil {
 			return over("deleted"), err
 		}
-		return operationVerdict(op), nil
+		return OperationVerdict(op), nil
 	case ichorv1.ObjectNode:
 		node := &corev1.Node{}
 		gone, err := j.get(ctx, key, node, h.UID)
@@ -104,8 +104,9 @@ func (j ClusterJudge) get(ctx context.Context, key client.ObjectKey, obj client.
 	return uid != "" && obj.GetUID() != uid, nil
 }
 
-// operationVerdict judges an operation that exists.
-func operationVerdict(op *ichorv1.TalosOperation) Verdict {
+// OperationVerdict judges an operation that exists, as the Judge does a
+// holder: what a waiter concludes from it.
+func OperationVerdict(op *ichorv1.TalosOperation) Verdict {
 	switch {
 	case op.Succeeded():
 		return over("completed")

@@ -139,14 +139,20 @@ func (r *Reconciler) requests(ctx context.Context, match func(*ichorv1.TalosOper
 	return out
 }
 
-// turnChanged passes the operation events that can change whose turn it is.
+// turnChanged passes the operation events that can change whose turn it is:
+// its phase, its failure, a pause, its deletion, and what a waiter's judge
+// concludes of it as a holder. Not its steps settling while it runs on (a
+// holder's every machine): that only matters to the judge once a step
+// failed or it was cancelled, and waking the waiters for each would run
+// their checks for nothing, and ahead of the holder's end.
 func turnChanged() predicate.Funcs {
 	return predicate.Funcs{
 		CreateFunc: func(event.CreateEvent) bool { return false },
 		UpdateFunc: func(e event.UpdateEvent) bool {
 			a, okA := e.ObjectOld.(*ichorv1.TalosOperation)
 			b, okB := e.ObjectNew.(*ichorv1.TalosOperation)
-			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason || a.Settled() != b.Settled() ||
+			return !okA || !okB || a.Status.Phase != b.Status.Phase || a.Status.FailureReason != b.Status.FailureReason ||
+				lock.OperationVerdict(a) != lock.OperationVerdict(b) ||
 				a.Spec.Paused != b.Spec.Paused || !a.DeletionTimestamp.Equal(b.DeletionTimestamp)
 		},
 	}
