@@ -139,13 +139,25 @@ type Lock struct {
 	// ending has an entry for each holder (by UID) whose end this process
 	// is recording (Ending; guarded by mu).
 	ending map[types.UID]*ending
+	// idleRelease is the last release this Lock wrote of a holder that had
+	// changed nothing since a known moment (guarded by mu).
+	idleRelease idleRelease
 }
 
 // ending is a holder's end being recorded: done closes once its release is
-// written or given up; waiting counts the Acquires that wait for it.
+// written or given up; waiting counts the Acquires that wait for it; idle
+// is the moment from which the holder changes nothing (zero: unknown).
 type ending struct {
 	done    chan struct{}
 	waiting int
+	idle    time.Time
+}
+
+// idleRelease is a free Lease (by resourceVersion) that a release wrote,
+// and the moment from which its holder had changed nothing.
+type idleRelease struct {
+	resourceVersion string
+	since           time.Time
 }
 
 // remember keeps lease as the last one seen.
@@ -171,8 +183,15 @@ func (l *Lock) lastSeen() Seen {
 // or will not be (the end's write failed): it is what lets the waiters go
 // on, and a waiter that finds h still holding the lock then judges it as
 // before.
-func (l *Lock) Ending(h Holder) (done func()) {
-	e := &ending{done: make(chan struct{})}
+//
+// idle, when not zero, is a moment from which h changes nothing in the
+// cluster (its last step had ended by then): a take of the free Lease that
+// h's release writes then counts as free from idle on (Result.FreeAt), not
+// from the release, since nothing that mattered to a taker happened
+// between. Zero when h still has work to come (a step that runs once its
+// end is written).
+func (l *Lock) Ending(h Holder, idle time.Time) (done func()) {
+	e := &ending{done: make(chan struct{}), idle: idle}
 	l.mu.Lock()
 	if l.ending == nil {
 		l.ending = map[types.UID]*ending{}
@@ -196,8 +215,9 @@ var endingWait = 5 * time.Second
 
 // awaitEnd waits for the release of h when this process is recording h's
 // end, and reports whether it came (false: h is not ending here, or its
-// release took longer than endingWait).
-func (l *Lock) awaitEnd(ctx context.Context, h Holder) (bool, error) {
+// release took longer than endingWait). It calls the request's WhileEnding
+// first, when h is ending idle.
+func (l *Lock) awaitEnd(ctx context.Context, req Request, h Holder) (bool, error) {
 	if h.UID == "" {
 		return false, nil
 	}
@@ -215,6 +235,9 @@ func (l *Lock) awaitEnd(ctx context.Context, h Holder) (bool, error) {
 		e.waiting--
 		l.mu.Unlock()
 	}()
+	if req.WhileEnding != nil && !e.idle.IsZero() {
+		req.WhileEnding(e.idle)
+	}
 	timer := time.NewTimer(endingWait)
 	defer timer.Stop()
 	select {
@@ -237,6 +260,13 @@ type Request struct {
 	// Queue records a taker that has to wait in the Lease's queue, so that
 	// the operations see it (a Job: the controller does not list Jobs).
 	Queue bool
+	// WhileEnding, when set, is called (once, before the wait) when Acquire
+	// waits for the release of a holder ending idle since the moment it is
+	// given (Ending): a take on that release is free from that moment on
+	// (Result.FreeAt), so what the taker reads of the cluster from then
+	// counts as read holding the lock, and reading it now overlaps the
+	// holder's last writes.
+	WhileEnding func(idle time.Time)
 }
 
 // Result says what Acquire found.
@@ -261,7 +291,11 @@ type Result struct {
 	// write that showed it came back then. The guarded take proves that
 	// nobody wrote the Lease from then until the take, so no holder came
 	// between: what the taker read of the cluster after FreeAt, it reads
-	// as of holding the lock.
+	// as of holding the lock. When the take was written on the Lease that
+	// this Lock's release of an idle holder wrote (Ending), it is the
+	// moment that holder became idle: the holder changed nothing from then
+	// until its release, and nobody wrote the Lease between the release
+	// and the take.
 	FreeAt time.Time
 }
 
@@ -467,7 +501,7 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 	}
 	me := req.Holder
 	if !st.Free() && !st.Holds(me) {
-		ended, err := l.awaitEnd(ctx, st.Holder)
+		ended, err := l.awaitEnd(ctx, req, st.Holder)
 		if err != nil {
 			return Result{}, err
 		}
@@ -527,9 +561,20 @@ func (l *Lock) take(ctx context.Context, lease *coordinationv1.Lease, st State, 
 	}
 	res := Result{Acquired: true, Holder: me.Identity, Since: now, TookOver: tookOver}
 	if tookOver == "" {
-		res.FreeAt = seenAt
+		res.FreeAt = l.freeSince(lease, seenAt)
 	}
 	return res, nil
+}
+
+// freeSince is FreeAt for a take written on the free lease seen at seenAt:
+// the moment its releaser became idle when this Lock wrote that release.
+func (l *Lock) freeSince(lease *coordinationv1.Lease, seenAt time.Time) time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if r := l.idleRelease; r.resourceVersion != "" && r.resourceVersion == lease.ResourceVersion && r.since.Before(seenAt) {
+		return r.since
+	}
+	return seenAt
 }
 
 // ahead names the waiter that goes before the request, if any.
@@ -636,6 +681,12 @@ func setRemovals(lease *coordinationv1.Lease, rs []ichorv1.LockRemoval) {
 func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change func(*coordinationv1.Lease)) error {
 	lease = lease.DeepCopy()
 	change(lease)
+	return l.put(ctx, lease)
+}
+
+// put renews lease and updates it with the resourceVersion it carries; on
+// success lease is as the API server answered.
+func (l *Lock) put(ctx context.Context, lease *coordinationv1.Lease) error {
 	now := metav1.NewMicroTime(l.now())
 	lease.Spec.RenewTime = &now
 	err := l.Client.Update(ctx, lease)
@@ -650,7 +701,7 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 	if err != nil {
 		return fmt.Errorf("update cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
 	}
-	l.remember(lease) // as the API server answered: its resourceVersion is the new one
+	l.remember(lease.DeepCopy()) // as the API server answered: its resourceVersion is the new one
 	return nil
 }
 
@@ -750,20 +801,35 @@ func (l *Lock) ConfirmSeen(ctx context.Context, h Holder, seen Seen) error {
 // held. Releasing a lock held by another holder (or nobody) changes nothing.
 // A borrower's release gives the lock back to its lender, never frees it.
 func (l *Lock) Release(ctx context.Context, h Holder) (held time.Duration, released bool, err error) {
+	var freed *coordinationv1.Lease
 	err = l.update(ctx, func(st State, lease *coordinationv1.Lease) (bool, error) {
-		released = st.HeldBy(h)
+		released, freed = st.HeldBy(h), nil
 		switch {
 		case released && st.Lent():
 			setHolder(lease, st.LentBy, st.Since) // a borrower gives it back
 		case released:
 			setHolder(lease, Holder{}, time.Time{})
+			freed = lease // update writes it in place
 			if !st.Since.IsZero() {
 				held = l.now().Sub(st.Since)
 			}
 		}
 		return released, nil
 	})
+	if err == nil && freed != nil {
+		l.releasedIdle(h, freed)
+	}
 	return held, released, err
+}
+
+// releasedIdle notes the free Lease that h's release wrote when h is
+// ending idle here (Ending): a take written on it is free from then on.
+func (l *Lock) releasedIdle(h Holder, freed *coordinationv1.Lease) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e := l.ending[h.UID]; e != nil && !e.idle.IsZero() {
+		l.idleRelease = idleRelease{resourceVersion: freed.ResourceVersion, since: e.idle}
+	}
 }
 
 // stale judges the holder; a lent lock is stale only once borrower and
@@ -913,7 +979,7 @@ func (l *Lock) change(ctx context.Context, create bool, change func(State, *coor
 		if lease.ResourceVersion == "" {
 			return l.createLease(ctx, lease)
 		}
-		return l.write(ctx, lease, func(*coordinationv1.Lease) {})
+		return l.put(ctx, lease)
 	})
 }
 

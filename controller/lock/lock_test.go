@@ -461,6 +461,64 @@ func TestTakeFromTheRelease(t *testing.T) {
 	}
 }
 
+// TestFreeFromTheIdleRelease: a take written on the free Lease that this
+// Lock's release of an ending holder wrote counts as free (FreeAt) from the
+// moment that holder became idle (Ending's idle), since it changed nothing
+// from then until its release: a taker's checks made after that moment are
+// as good as checks made holding the lock. Not when the holder had work
+// still to come (no idle moment), and not when the Lease was written
+// between the release and the take: then FreeAt is when the take's Lease
+// was seen free, as for any take.
+func TestFreeFromTheIdleRelease(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name     string
+		idle     bool
+		since    func(t *testing.T, w *world) // writes the Lease after the release
+		fromIdle bool
+	}{
+		{name: "a was idle", idle: true, fromIdle: true},
+		{name: "a had work to come", idle: false},
+		{name: "the Lease was written since", idle: true, since: func(t *testing.T, w *world) {
+			lease := &coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Namespace: w.ns, Name: ichorv1.LockLeaseName}}
+			patch := client.RawPatch(types.MergePatchType, []byte(`{"metadata":{"annotations":{"touched":"yes"}}}`))
+			if err := env.Client.Patch(ctx, lease, patch); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t)
+			l := newLock(w.ns)
+			a, b := holds(w.op("a", running)), holds(w.op("b", running))
+			mustAcquire(t, l, a)
+			var idle time.Time
+			if tc.idle {
+				idle = time.Now()
+			}
+			done := l.Ending(a, idle)
+			releasing := time.Now()
+			if _, released, err := l.Release(ctx, a); err != nil || !released {
+				t.Fatalf("a releases: %v %v", released, err)
+			}
+			done()
+			written := time.Now()
+			if tc.since != nil {
+				tc.since(t, w)
+				written = time.Now()
+			}
+			res := mustAcquire(t, l, b)
+			switch {
+			case tc.fromIdle && !res.FreeAt.Equal(idle):
+				t.Errorf("b's take is free from %s, want from a's idle moment %s", res.FreeAt.Format(time.StampMicro), idle.Format(time.StampMicro))
+			case !tc.fromIdle && (res.FreeAt.Before(releasing) || (tc.since != nil && res.FreeAt.Before(written))):
+				t.Errorf("b's take is free from %s, before the Lease it was written on was seen free (released from %s, last written before %s)",
+					res.FreeAt.Format(time.StampMicro), releasing.Format(time.StampMicro), written.Format(time.StampMicro))
+			}
+		})
+	}
+}
+
 // TestTakeoverMeetsTheRelease: b judges the holder a over (completed) from
 // the Lease it read, and a releases the lock before b writes, as a
 // completed operation does right after it records its end. b's guarded
@@ -781,13 +839,12 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 		// judged is how many times b's Acquire asks the judge; reads counts
 		// the live reads of the Lease, a's release's included.
 		judged, reads int
+		// idle: a ends idle (Ending's idle moment), and b's WhileEnding is
+		// called with it.
+		idle bool
 	}{
-		{name: "a releases", status: running, end: func(t *testing.T, l *lock.Lock, a lock.Holder, done func()) {
-			if _, released, err := l.Release(ctx, a); err != nil || !released {
-				t.Errorf("a releases: %v %v", released, err)
-			}
-			done()
-		}, taken: true, reads: 2},
+		{name: "a releases", status: running, end: releases, taken: true, reads: 2},
+		{name: "a releases, idle", status: running, end: releases, taken: true, reads: 2, idle: true},
 		{name: "a's end is given up", status: running, end: func(_ *testing.T, _ *lock.Lock, _ lock.Holder, done func()) { done() },
 			judged: 1, reads: 2},
 		{name: "a's release takes too long", status: ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded},
@@ -810,11 +867,16 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 			})
 			live := &countingReader{Reader: env.Client}
 			l.Live = live
-			done := l.Ending(a)
+			var idle time.Time
+			if tc.idle {
+				idle = time.Now()
+			}
+			done := l.Ending(a, idle)
 			defer done()
 			got := make(chan lock.Result, 1)
+			var whileEnding []time.Time
 			go func() {
-				res, err := l.Acquire(ctx, lock.Request{Holder: b})
+				res, err := l.Acquire(ctx, lock.Request{Holder: b, WhileEnding: func(at time.Time) { whileEnding = append(whileEnding, at) }})
 				if err != nil {
 					t.Errorf("b's Acquire: %v", err)
 				}
@@ -845,6 +907,21 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 			if st, _ := l.Current(ctx); st.Holder != want {
 				t.Errorf("the Lease's holder: %s, want %s", st.Holder, want)
 			}
+			if tc.idle && (len(whileEnding) != 1 || !whileEnding[0].Equal(idle) || !res.FreeAt.Equal(idle)) {
+				t.Errorf("b's WhileEnding was called with %v and its take is free from %s: want once with a's idle moment %s, free from then",
+					whileEnding, res.FreeAt.Format(time.StampMicro), idle.Format(time.StampMicro))
+			}
+			if !tc.idle && len(whileEnding) > 0 {
+				t.Errorf("b's WhileEnding was called (%v) for a holder not ending idle", whileEnding)
+			}
 		})
 	}
+}
+
+// releases is a's release, then its done, in TestAwaitTheEndingRelease.
+func releases(t *testing.T, l *lock.Lock, a lock.Holder, done func()) {
+	if _, released, err := l.Release(context.Background(), a); err != nil || !released {
+		t.Errorf("a releases: %v %v", released, err)
+	}
+	done()
 }

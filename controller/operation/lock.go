@@ -16,7 +16,7 @@ import (
 // in creation order: a newer one leaves it to an older one that wants it.
 func (t *turn) acquire(ctx context.Context) (bool, error) {
 	place := t.persisted.QueuePlace()
-	res, err := t.r.Lock.Acquire(ctx, lock.Request{Holder: t.holder(), Place: &place})
+	res, err := t.r.Lock.Acquire(ctx, lock.Request{Holder: t.holder(), Place: &place, WhileEnding: t.checkWhileEnding(ctx)})
 	if err != nil {
 		return false, fmt.Errorf("taking the cluster lock: %w", err)
 	}
@@ -44,6 +44,24 @@ func (t *turn) acquire(ctx context.Context) (bool, error) {
 	status.Lock, status.LockHolder = ichorv1.LockHeld, ""
 	t.lockSeen, t.freeAt = res.Seen, res.FreeAt
 	return true, nil
+}
+
+// checkWhileEnding runs the checks of an operation that has not started
+// again while its Acquire waits for an idle holder's release, when they
+// last ran before that holder went idle: once the lock is taken on that
+// release they count as the checks made holding it (checkOnceHeld), and
+// they run beside the holder's last writes instead of after the take. When
+// they fail, checkOnceHeld runs them again holding the lock, and refuses.
+func (t *turn) checkWhileEnding(ctx context.Context) func(time.Time) {
+	return func(idle time.Time) {
+		if t.started() || t.checkedAt.After(idle) {
+			return
+		}
+		at := time.Now()
+		if ok, err := t.preflight(ctx, "once the cluster lock was held"); ok && err == nil && !t.op.PlanChanged() {
+			t.checkedAt = at
+		}
+	}
 }
 
 func (t *turn) wait(holder, msg string) {

@@ -16,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"google.golang.org/grpc/codes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -164,18 +165,84 @@ func TestTheWaiterAwaitsTheRelease(t *testing.T) {
 	}
 }
 
-// slowRelease holds each of the controller's releases of the cluster lock
-// in the controller namespace ns (a write of the lock Lease that names no
-// holder) for delay, and counts them in released.
-func slowRelease(ns string, delay time.Duration, released *atomic.Int32) controllerOption {
-	isRelease := func(req *http.Request) bool {
+// TestTheWaiterChecksWhileTheHolderEnds: an operation waiting for the lock
+// whose checks ran before the holder went idle runs them again while it
+// waits for that holder's release, not after it takes the lock: the holder
+// changed nothing from the moment its end was decided, so a take on its
+// release counts as free from then, and the checks beside the holder's last
+// writes count as made holding the lock. Here the waiter's checks (their
+// read of kube-proxy's DaemonSet, which only the checks make) are held
+// until the holder's end is written, and the release is slow: no check
+// may read the cluster once the release is written.
+func TestTheWaiterChecksWhileTheHolderEnds(t *testing.T) {
+	ctx := context.Background()
+	c := newCluster(t, sim.Cluster("", 1, 2))
+	w1, w2 := c.fleet.Machines()[1].Name(), c.fleet.Machines()[2].Name()
+	hang := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Reboot"})
+	var released, held, afterRelease atomic.Int32
+	var armed, releaseWritten atomic.Bool
+	aEnded := func() bool {
+		a := &ichorv1.TalosOperation{}
+		return env.Client.Get(ctx, keyOf(c.ns, "a-reboot"), a) == nil && a.Succeeded()
+	}
+	holdChecks := beforeRequest(isChecksRead, func(*http.Request) {
+		if releaseWritten.Load() {
+			afterRelease.Add(1)
+		}
+		if !armed.Load() || aEnded() {
+			return
+		}
+		held.Add(1)
+		_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) { return aEnded(), nil })
+	})
+	c.start(slowRelease(c.ctrlNS, time.Second, &released), holdChecks,
+		afterAnswer(isRelease(c.ctrlNS), func(*http.Request) { releaseWritten.Store(true) }))
+	c.create("a-reboot", rebootSpec(w1))
+	c.waitFor("a-reboot", "to reach its reboot", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == executor.StepReboot
+	})
+	c.create("b-reboot", rebootSpec(w2))
+	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Lock == ichorv1.LockWaiting
+	})
+	armed.Store(true)
+	hang()
+	a := c.waitSucceeded("a-reboot", time.Minute)
+	b := c.waitSucceeded("b-reboot", time.Minute)
+	if released.Load() == 0 || held.Load() == 0 {
+		t.Fatalf("%d release(s) of the lock slowed and %d check(s) held until a-reboot's end: the test did not come between", released.Load(), held.Load())
+	}
+	if n := afterRelease.Load(); n > 0 {
+		t.Errorf("b-reboot's checks read the cluster %d time(s) after a-reboot's release: they ran again after the take, not while it waited", n)
+	}
+	if b.Status.StartTime.Before(a.Status.CompletionTime) {
+		t.Errorf("b-reboot started (%s) before a-reboot completed (%s)", b.Status.StartTime, a.Status.CompletionTime)
+	}
+}
+
+// isChecksRead passes the read that only an operation's checks make (of
+// kube-proxy's DaemonSet, from the API server).
+func isChecksRead(req *http.Request) bool {
+	return req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/daemonsets/kube-proxy")
+}
+
+// isRelease passes the controller's releases of the cluster lock in the
+// controller namespace ns: a write of the lock Lease that names no holder.
+func isRelease(ns string) func(*http.Request) bool {
+	return func(req *http.Request) bool {
 		if req.Method != http.MethodPut || !strings.HasSuffix(req.URL.Path, "/namespaces/"+ns+"/leases/"+ichorv1.LockLeaseName) {
 			return false
 		}
 		lease, ok := requestObject(req).(*coordinationv1.Lease)
 		return ok && lease.Spec.HolderIdentity == nil
 	}
-	return beforeRequest(isRelease, func(req *http.Request) {
+}
+
+// slowRelease holds each of the controller's releases of the cluster lock
+// in the controller namespace ns for delay, and counts them in released.
+func slowRelease(ns string, delay time.Duration, released *atomic.Int32) controllerOption {
+	return beforeRequest(isRelease(ns), func(req *http.Request) {
 		released.Add(1)
 		select {
 		case <-time.After(delay):

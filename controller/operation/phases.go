@@ -66,9 +66,12 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 // was last known free (lock.Result.FreeAt): the take, a write guarded by
 // that free Lease, proves that no holder came between. That is the turn
 // that a release by this controller wakes (its Lock takes the lock on the
-// Lease the release wrote), which so starts one round trip sooner. The
-// Nodes, which the turn lists from the cache as it begins, are the same
-// for both runs of the checks.
+// Lease the release wrote), which so starts one round trip sooner; and
+// the turn whose checks ran after the holder it waited for went idle, or
+// ran again while it waited for that holder's release (checkWhileEnding):
+// a take on that release is free from the moment the holder went idle.
+// The Nodes, which the turn lists from the cache as it begins, are the
+// same for both runs of the checks.
 func (t *turn) checkOnceHeld(ctx context.Context) (bool, error) {
 	if !t.checkedAt.IsZero() && !t.freeAt.IsZero() && t.checkedAt.After(t.freeAt) {
 		return true, nil

@@ -138,7 +138,7 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 	if ends {
 		// The release follows the write of the end: a waiter's turn in this
 		// controller waits for it instead of taking the lock over.
-		defer t.r.Lock.Ending(t.holder())()
+		defer t.r.Lock.Ending(t.holder(), t.idleSince())()
 	}
 	check := t.checkLockBeside(ctx)
 	werr := t.write(ctx)
@@ -163,6 +163,18 @@ func (t *turn) reconcile(ctx context.Context) (ctrl.Result, error) {
 		result = lookAgainSoon(result)
 	}
 	return result, t.removeRequests(ctx)
+}
+
+// idleSince is, for a turn that ends the operation, the moment from which
+// the operation changes nothing in the cluster: now, since every step of
+// it has ended, unless a step runs once the end is written (a shutdown's);
+// zero then. A waiter's checks that ran after it count as checks made
+// holding the lock, once it takes the lock that this turn releases.
+func (t *turn) idleSince() time.Time {
+	if endedBy(&t.op.Status) != nil {
+		return time.Time{}
+	}
+	return time.Now()
 }
 
 // announce leaves the Event of a change of phase (or of the reason a
