@@ -142,15 +142,7 @@ func TestTheWaiterAwaitsTheRelease(t *testing.T) {
 	hang := c.fleet.Machine(w1).Inject(sim.Fault{Kind: sim.FaultHang, Method: "Reboot"})
 	var released atomic.Int32
 	c.start(slowRelease(c.ctrlNS, time.Second, &released))
-	c.create("a-reboot", rebootSpec(w1))
-	c.waitFor("a-reboot", "to reach its reboot", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		m := entryOf(op, w1)
-		return m != nil && m.Step == executor.StepReboot
-	})
-	c.create("b-reboot", rebootSpec(w2))
-	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		return op.Status.Lock == ichorv1.LockWaiting
-	})
+	holderAndWaiter(c, w1, w2)
 	hang()
 	a := c.waitSucceeded("a-reboot", time.Minute)
 	b := c.waitSucceeded("b-reboot", time.Minute)
@@ -197,15 +189,7 @@ func TestTheWaiterChecksWhileTheHolderEnds(t *testing.T) {
 	})
 	c.start(slowRelease(c.ctrlNS, time.Second, &released), holdChecks,
 		afterAnswer(isRelease(c.ctrlNS), func(*http.Request) { releaseWritten.Store(true) }))
-	c.create("a-reboot", rebootSpec(w1))
-	c.waitFor("a-reboot", "to reach its reboot", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		m := entryOf(op, w1)
-		return m != nil && m.Step == executor.StepReboot
-	})
-	c.create("b-reboot", rebootSpec(w2))
-	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
-		return op.Status.Lock == ichorv1.LockWaiting
-	})
+	holderAndWaiter(c, w1, w2)
 	armed.Store(true)
 	hang()
 	a := c.waitSucceeded("a-reboot", time.Minute)
@@ -237,6 +221,21 @@ func isRelease(ns string) func(*http.Request) bool {
 		lease, ok := requestObject(req).(*coordinationv1.Lease)
 		return ok && lease.Spec.HolderIdentity == nil
 	}
+}
+
+// holderAndWaiter creates a-reboot of w1 and, once it has reached its
+// reboot (which the caller's fault holds there), b-reboot of w2, which
+// waits for the lock a-reboot holds.
+func holderAndWaiter(c *cluster, w1, w2 string) {
+	c.create("a-reboot", rebootSpec(w1))
+	c.waitFor("a-reboot", "to reach its reboot", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		m := entryOf(op, w1)
+		return m != nil && m.Step == executor.StepReboot
+	})
+	c.create("b-reboot", rebootSpec(w2))
+	c.waitFor("b-reboot", "to wait for the lock", time.Minute, func(op *ichorv1.TalosOperation) bool {
+		return op.Status.Lock == ichorv1.LockWaiting
+	})
 }
 
 // slowRelease holds each of the controller's releases of the cluster lock
