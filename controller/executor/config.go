@@ -73,6 +73,9 @@ func (*ConfigRollout) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]
 // HonourHold implements Executor.
 func (*ConfigRollout) HonourHold() bool { return true }
 
+// MachineBound implements MachineBound: a step reads its own machine only.
+func (*ConfigRollout) MachineBound() bool { return true }
+
 // Check implements Executor with the refusals of Plan, each naming the machine.
 func (c *ConfigRollout) Check(ctx context.Context, e *Env) []string {
 	_, refusals := c.Plan(ctx, e)

@@ -274,6 +274,18 @@ type Planner interface {
 	Plan(ctx context.Context, e *Env) (plan string, refusals []string)
 }
 
+// MachineBound is implemented by the kinds whose steps read nothing of the
+// other machines (MachineBound returns true): neither their entries in
+// status (Env.Op.Status.Machines) nor their Nodes (Env.Nodes). Their
+// steps' Env has the operation without status.machines, and no Nodes. A
+// step holds its Env until it ends, and with them each turn's copy of
+// every machine's entry, and the Nodes as that turn read them, would stay
+// in memory for as long as a step that turn started runs: at 5,000
+// machines, a few megabytes a turn.
+type MachineBound interface {
+	MachineBound() bool
+}
+
 // LockIdentifier is implemented by executors whose operations take the
 // cluster lock under another identity than the operation's own (a
 // control-plane reset is a removal, held under the machine's identity). An

@@ -74,6 +74,9 @@ func (IchorUpgrade) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*
 // HonourHold implements Executor: no machine is disrupted.
 func (IchorUpgrade) HonourHold() bool { return false }
 
+// MachineBound implements MachineBound: a step reads its own machine only.
+func (IchorUpgrade) MachineBound() bool { return true }
+
 // Check implements Executor; the version checks are the preflight package's.
 func (IchorUpgrade) Check(context.Context, *Env) []string { return nil }
 

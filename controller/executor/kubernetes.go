@@ -94,6 +94,9 @@ func (KubernetesUpgrade) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node)
 // HonourHold implements Executor.
 func (KubernetesUpgrade) HonourHold() bool { return true }
 
+// MachineBound implements MachineBound: a step reads its own machine only.
+func (KubernetesUpgrade) MachineBound() bool { return true }
+
 // Check implements Executor. The version checks are preflight's; the
 // kind's own is that the controller may apply every object of the
 // bootstrap manifests its sync will apply (a manifest added to

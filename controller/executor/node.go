@@ -63,6 +63,9 @@ func (NodeAction) Scope(op *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*co
 // HonourHold implements Executor: a node action names its machine explicitly.
 func (NodeAction) HonourHold() bool { return false }
 
+// MachineBound implements MachineBound: a step reads its own machine only.
+func (NodeAction) MachineBound() bool { return true }
+
 // Check implements Executor: actions that make no sense on the machine.
 func (NodeAction) Check(ctx context.Context, e *Env) []string {
 	n := e.Op.Spec.Node

@@ -60,6 +60,9 @@ func (TalosUpgrade) Scope(_ *ichorv1.TalosOperation, nodes []*corev1.Node) ([]*c
 // HonourHold implements Executor.
 func (TalosUpgrade) HonourHold() bool { return true }
 
+// MachineBound implements MachineBound: a step reads its own machine only.
+func (TalosUpgrade) MachineBound() bool { return true }
+
 // Check implements Executor; the version checks are the preflight package's.
 func (TalosUpgrade) Check(context.Context, *Env) []string { return nil }
 

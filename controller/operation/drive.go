@@ -192,7 +192,7 @@ func (t *turn) persistedAt(m *ichorv1.MachineStatus) bool {
 func (t *turn) check(ctx context.Context, m *ichorv1.MachineStatus, step executor.Step) time.Duration {
 	timeout := t.r.timeout(step)
 	deadline := t.r.runner.waitDeadline(stepKey{t.key(m.Name), m.Step, m.Attempts}, t.now.Time, timeout)
-	done, out, err := step.Wait(ctx, t.env(*m))
+	done, out, err := step.Wait(ctx, t.stepEnv(*m))
 	if err != nil {
 		t.fail(m, step.Name, err)
 		return 0
@@ -280,7 +280,7 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 			}
 			confirmed = true
 		}
-		if err := t.run(op, m, step); err != nil {
+		if err := t.run(m, step); err != nil {
 			t.notStarted(m, err)
 			again = true
 		}
@@ -288,11 +288,12 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 	return again, nil
 }
 
-// run runs the machine's step, and the Chained steps after it, in the runner.
-func (t *turn) run(op *ichorv1.TalosOperation, m ichorv1.MachineStatus, step executor.Step) error {
-	env := t.env(m)
+// run runs the machine's step, and the Chained steps after it, in the
+// runner, on the operation as persisted status has it.
+func (t *turn) run(m ichorv1.MachineStatus, step executor.Step) error {
+	env := t.stepEnv(m)
 	env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-	return t.r.runner.launch(op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(op, env))
+	return t.r.runner.launch(env.Op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(env.Op, env))
 }
 
 // launchChained starts, beside the status write that records them, the
@@ -320,7 +321,7 @@ func (t *turn) launchChained() {
 		if !ok || !chainable(step) || step.Cordons || t.r.runner.busy(t.key(m.Name), m.Step, m.Attempts) {
 			continue
 		}
-		if err := t.run(t.persisted, m, step); err != nil {
+		if err := t.run(m, step); err != nil {
 			t.log.V(1).Info("Chained step not started beside the write; launch starts it after", "machine", m.Name, "step", m.Step, "why", err.Error())
 		}
 	}

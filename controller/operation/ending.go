@@ -103,7 +103,7 @@ func (t *turn) launchEnd(ctx context.Context) error {
 	if err := t.checkLock(ctx).wait(); err != nil {
 		return fmt.Errorf("not starting %s on %s: %w", m.Step, m.Name, err)
 	}
-	if err := t.run(t.persisted, *m, step); err != nil {
+	if err := t.run(*m, step); err != nil {
 		t.notStarted(*m, err)
 		return err
 	}
@@ -159,7 +159,7 @@ func (t *turn) reconcileEnded(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	if relaunch {
-		if err := t.run(t.persisted, *endedBy(&t.persisted.Status), step); err != nil {
+		if err := t.run(*endedBy(&t.persisted.Status), step); err != nil {
 			t.notStarted(*m, err)
 		}
 	}

@@ -223,6 +223,12 @@ func (c counting) Ended(ctx context.Context, e *executor.Env) (executor.EndState
 	return executor.EndState{Done: true}, nil
 }
 
+// MachineBound forwards to the wrapped executor when it has one.
+func (c counting) MachineBound() bool {
+	mb, ok := c.Executor.(executor.MachineBound)
+	return ok && mb.MachineBound()
+}
+
 // LockIdentity forwards to the wrapped executor when it has one.
 func (c counting) LockIdentity(op *ichorv1.TalosOperation, role ichorv1.MachineRole) string {
 	if li, ok := c.Executor.(executor.LockIdentifier); ok {

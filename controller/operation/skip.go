@@ -84,7 +84,7 @@ func (t *turn) uncordonMachine(ctx context.Context, m ichorv1.MachineStatus, why
 	}
 	sctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	if _, err := step.Run(sctx, t.env(m)); err != nil {
+	if _, err := step.Run(sctx, t.stepEnv(m)); err != nil {
 		return fmt.Errorf("lift the cordon of %s: %w", m.Name, err)
 	}
 	t.event(corev1.EventTypeNormal, "Uncordoned", "%s: cordon lifted (%s)", m.Name, why)

@@ -2,6 +2,8 @@ package operation_test
 
 import (
 	"context"
+	"maps"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -345,4 +347,88 @@ func (c *cluster) startKillable(hook func(operation.StepRun)) *testcluster.Contr
 	c.t.Helper()
 	o := app.Options{Namespace: c.ctrlNS, Executors: executor.Default(), TestHookAfterRun: hook}
 	return testcluster.StartKillable(c.t, env.Config, o)
+}
+
+// TestStepsOfAMachineBoundKind: the steps of a kind whose steps read only
+// their own machine (a Talos upgrade, executor.MachineBound) see the
+// operation without the other machines' entries and without the Nodes,
+// so that a step in flight keeps nothing of them in memory; and an
+// upgrade so run still succeeds. The same kind's steps, not declared
+// bound, see every machine and every Node, as they always did.
+func TestStepsOfAMachineBoundKind(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		bound bool
+	}{{"bound", true}, {"not declared bound", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, sim.Cluster("", 1, 2))
+			rec := &envRecorder{bound: tc.bound}
+			c.start(func(o *app.Options, _ **rest.Config) {
+				rec.Executor = o.Executors[ichorv1.KindTalos]
+				o.Executors[ichorv1.KindTalos] = rec
+			})
+			c.create("upgrade", talosSpec("v1.13.7"))
+			c.waitSucceeded("upgrade", 2*time.Minute)
+			machines, nodes := rec.seen()
+			// Not bound, a step sees the operation as persisted status has it:
+			// the first, started beside the write that plans the machines, none.
+			if tc.bound && (!slices.Equal(machines, []int{0}) || !slices.Equal(nodes, []int{0})) {
+				t.Errorf("the steps saw %v machine entries and %v Nodes, want none", machines, nodes)
+			}
+			if !tc.bound && (slices.Max(machines) != 3 || !slices.Equal(nodes, []int{3})) {
+				t.Errorf("the steps saw %v machine entries and %v Nodes, want all 3 Nodes and, once planned, all 3 entries", machines, nodes)
+			}
+		})
+	}
+}
+
+// envRecorder is an executor whose steps record how many machine entries
+// and Nodes their Env had; MachineBound is the wrapped executor's when
+// bound, false when not.
+type envRecorder struct {
+	executor.Executor
+	bound           bool
+	mu              sync.Mutex
+	machines, nodes map[int]bool
+}
+
+func (r *envRecorder) MachineBound() bool {
+	mb, ok := r.Executor.(executor.MachineBound)
+	return r.bound && ok && mb.MachineBound()
+}
+
+func (r *envRecorder) Steps(op *ichorv1.TalosOperation, m *ichorv1.MachineStatus) []executor.Step {
+	steps := r.Executor.Steps(op, m)
+	for i := range steps {
+		if run := steps[i].Run; run != nil {
+			steps[i].Run = func(ctx context.Context, e *executor.Env) (executor.Outcome, error) {
+				r.record(e)
+				return run(ctx, e)
+			}
+		}
+		if wait := steps[i].Wait; wait != nil {
+			steps[i].Wait = func(ctx context.Context, e *executor.Env) (bool, executor.Outcome, error) {
+				r.record(e)
+				return wait(ctx, e)
+			}
+		}
+	}
+	return steps
+}
+
+func (r *envRecorder) record(e *executor.Env) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.machines == nil {
+		r.machines, r.nodes = map[int]bool{}, map[int]bool{}
+	}
+	r.machines[len(e.Op.Status.Machines)] = true
+	r.nodes[len(e.Nodes)] = true
+}
+
+// seen is the counts of machine entries and Nodes the steps saw, sorted.
+func (r *envRecorder) seen() (machines, nodes []int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Sorted(maps.Keys(r.machines)), slices.Sorted(maps.Keys(r.nodes))
 }

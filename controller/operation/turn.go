@@ -240,6 +240,26 @@ func (t *turn) releaseTalos() {
 
 func (t *turn) key(name string) machineKey { return machineKey{op: t.persisted.UID, machine: name} }
 
+// stepEnv is the Env of a step on machine m: env, without the other
+// machines' entries and Nodes for a MachineBound kind.
+func (t *turn) stepEnv(m ichorv1.MachineStatus) *executor.Env {
+	e := t.env(m)
+	if mb, ok := t.exec.(executor.MachineBound); ok && mb.MachineBound() {
+		e.Op, e.Nodes = withoutMachines(e.Op), nil
+	}
+	return e
+}
+
+// withoutMachines is op without status.machines: a shallow copy, read-only
+// as op is.
+func withoutMachines(op *ichorv1.TalosOperation) *ichorv1.TalosOperation {
+	out := *op
+	out.Status.Machines = nil
+	return &out
+}
+
+// env is what the kind's code on machine m may use: its checks, its plan,
+// what it records of an ended operation (stepEnv for its steps).
 func (t *turn) env(m ichorv1.MachineStatus) *executor.Env {
 	n := t.node(m.Name)
 	addr := ""
