@@ -685,7 +685,8 @@ func (l *Lock) write(ctx context.Context, lease *coordinationv1.Lease, change fu
 }
 
 // put renews lease and updates it with the resourceVersion it carries; on
-// success lease is as the API server answered.
+// success lease is as the API server answered, and the Lease this Lock
+// last saw: the caller only reads it from then on.
 func (l *Lock) put(ctx context.Context, lease *coordinationv1.Lease) error {
 	now := metav1.NewMicroTime(l.now())
 	lease.Spec.RenewTime = &now
@@ -701,7 +702,7 @@ func (l *Lock) put(ctx context.Context, lease *coordinationv1.Lease) error {
 	if err != nil {
 		return fmt.Errorf("update cluster lock %s/%s: %w", l.Namespace, ichorv1.LockLeaseName, err)
 	}
-	l.remember(lease.DeepCopy()) // as the API server answered: its resourceVersion is the new one
+	l.remember(lease) // as the API server answered: its resourceVersion is the new one
 	return nil
 }
 

@@ -57,10 +57,7 @@ func (t *turn) checkWhileEnding(ctx context.Context) func(time.Time) {
 		if t.started() || t.checkedAt.After(idle) {
 			return
 		}
-		at := time.Now()
-		if ok, err := t.preflight(ctx, "once the cluster lock was held"); ok && err == nil && !t.op.PlanChanged() {
-			t.checkedAt = at
-		}
+		_, _ = t.checksPass(ctx, "once the cluster lock was held") // checkOnceHeld acts on a failure
 	}
 }
 

@@ -34,14 +34,10 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		return ctrl.Result{}, err
 	}
 	if !t.started() {
-		checkedAt := time.Now()
-		if ok, err := t.preflight(ctx, ""); !ok || err != nil {
+		// Refused, or planned differently and held for a person, without the lock.
+		if passed, err := t.checksPass(ctx, ""); !passed || err != nil {
 			return ctrl.Result{}, err
 		}
-		if t.op.PlanChanged() {
-			return ctrl.Result{}, nil // held for a person, without the lock
-		}
-		t.checkedAt = checkedAt
 	}
 	if result, stopped := t.reconcileStopped(ctx); stopped {
 		return result, nil
@@ -57,6 +53,21 @@ func (t *turn) decide(ctx context.Context) (ctrl.Result, error) {
 		t.start()
 	}
 	return t.reconcileRunning(ctx)
+}
+
+// checksPass runs the checks (preflight, when says at which point) and
+// reports whether they passed with the plan unchanged; then it notes when
+// they began their reads (checkedAt).
+func (t *turn) checksPass(ctx context.Context, when string) (bool, error) {
+	at := time.Now()
+	if ok, err := t.preflight(ctx, when); !ok || err != nil {
+		return false, err
+	}
+	if t.op.PlanChanged() {
+		return false, nil
+	}
+	t.checkedAt = at
+	return true, nil
 }
 
 // checkOnceHeld runs the checks again now that the lock is held: a holder
