@@ -139,9 +139,12 @@ func pullStep() Step {
 }
 
 // installStep installs the target into the inactive boot slot through
-// ImageService.Pull and LifecycleService.Upgrade (Talos 1.13 and later); it
-// does not reboot. An early 1.13 pre-release without LifecycleService takes
-// the legacy call, which reboots by itself.
+// ImageService.Pull and LifecycleService.Upgrade (Talos 1.13.0-beta.0 and
+// later: talos.HasLifecycleAPI); it does not reboot. An older machine takes
+// the legacy call instead, which reboots by itself: that is a step of its
+// own, whose runs status counts before each (Irreversible), never a
+// fallback from here, where a run after a crash could not tell that an
+// earlier one had made it and would upgrade and reboot the machine again.
 func installStep() Step {
 	return Step{Name: StepInstall, Timeout: 20 * time.Minute, Run: func(ctx context.Context, e *Env) (Outcome, error) {
 		image, err := installerImage(ctx, e)
@@ -153,9 +156,8 @@ func installStep() Step {
 			err = talos.Install(ctx, e.Talos, e.Address, image)
 		}
 		if status.Code(err) == codes.Unimplemented {
-			out, err := legacyUpgrade.make(ctx, e)
-			out.Next = StepRebooted
-			return out, err
+			return Outcome{}, Fail("InstallFailed", "%s runs Talos %s but does not have the image-based upgrade services: %w",
+				e.Machine.Name, e.Machine.From, err)
 		}
 		if err != nil {
 			return Outcome{}, Fail("InstallFailed", "%w", err)
@@ -182,7 +184,7 @@ func installerImage(ctx context.Context, e *Env) (string, error) {
 func powercycle(e *Env) bool { return e.Op.Spec.Talos.RebootMode == ichorv1.RebootModePowercycle }
 
 var (
-	// legacyUpgrade is MachineService.Upgrade (hosts below 1.13), which
+	// legacyUpgrade is MachineService.Upgrade (hosts below 1.13.0-beta.0), which
 	// installs and reboots by itself: the stage is upgrading until the
 	// kexec, rebooting after it.
 	legacyUpgrade = call{what: "upgrade", reason: "InstallFailed",

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sort"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,7 +15,10 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
+	"maesh.dev/ichor/controller/operation"
+	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -40,8 +45,9 @@ func TestTalosUpgrade(t *testing.T) {
 	}{
 		{"legacy API from 1.12 to 1.13", "v1.12.4", "v1.13.7", 1, 0},
 		{"lifecycle API within 1.13", "v1.13.2", "v1.13.7", 0, 1},
-		// Before 1.13.0-beta.0 LifecycleService answers Unimplemented.
-		{"legacy fallback from an early 1.13", "v1.13.0-alpha.2", "v1.13.7", 1, 1},
+		// Before 1.13.0-beta.0 LifecycleService answers Unimplemented: a
+		// pre-release of 1.13 upgrades as 1.12 does.
+		{"legacy API from an early 1.13", "v1.13.0-alpha.2", "v1.13.7", 1, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -296,5 +302,51 @@ func TestPullFailsBeforeDisruption(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestEarlyUpgradeNotSentTwiceAfterACrash: a machine on a 1.13 pre-release
+// without LifecycleService upgrades through the legacy call, which reboots
+// it by itself. A controller killed between that call and the status write
+// that records it leaves the next controller to run the step again, once
+// the machine is back on the target: that one upgrades and reboots nothing
+// more, as status counted the run before the call.
+func TestEarlyUpgradeNotSentTwiceAfterACrash(t *testing.T) {
+	const from, to = "v1.13.0-alpha.2", "v1.13.7"
+	spec := sim.Cluster("", 1, 0)
+	spec.Machines[0].Talos = from
+	c := newCluster(t, spec)
+	m := c.fleet.Machines()[0]
+	var first atomic.Pointer[testcluster.Controller]
+	killed := make(chan struct{})
+	var once sync.Once
+	first.Store(c.startKillable(func(s operation.StepRun) {
+		if s.Step == executor.StepInstall && s.Err == nil {
+			once.Do(func() { first.Load().Kill(); close(killed) })
+		}
+	}))
+	c.create("upgrade", talosSpec(to))
+	select {
+	case <-killed:
+	case <-time.After(time.Minute):
+		t.Fatal("the install step never returned")
+	}
+	testenv.Eventually(t, time.Minute, m.Name()+" back on "+to, func(context.Context) (bool, error) {
+		return !m.Down() && m.Version() == to, nil
+	})
+	c.start()
+	c.waitSucceeded("upgrade", time.Minute)
+	rec := c.fleet.Recorder()
+	for _, method := range []string{"MachineService/Upgrade", "LifecycleService/Upgrade", "MachineService/Reboot"} {
+		want := 0
+		if method == "MachineService/Upgrade" {
+			want = 1
+		}
+		if n := rec.Calls(m.Name(), method); n != want {
+			t.Errorf("%s: %d %s calls, want %d", m.Name(), n, method, want)
+		}
+	}
+	if n := rec.UpgradesApplied(m.Name()); n != 1 {
+		t.Errorf("%s: %d upgrades took effect, want 1", m.Name(), n)
 	}
 }

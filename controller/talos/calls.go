@@ -113,19 +113,25 @@ func InstallerImage(repo string, f Facts, schematic, version string) string {
 	return fmt.Sprintf("%s/%s-installer%s/%s:%s", repo, platform, sb, schematic, version)
 }
 
+// lifecycleSince is the first Talos with LifecycleService (ImageService
+// came earlier, in 1.13.0-alpha.1): older nodes answer Unimplemented.
+var lifecycleSince = semver.MustParse("1.13.0-beta.0")
+
 // HasLifecycleAPI reports whether a machine on this version upgrades through
-// ImageService and LifecycleService (1.13 and later) rather than the legacy
-// MachineService.Upgrade.
+// ImageService and LifecycleService (1.13.0-beta.0 and later) rather than
+// the legacy MachineService.Upgrade. The line is exact, pre-releases
+// included: the upgrade plan is chosen from it, and the legacy call is an
+// irreversible one that status must count before it is made.
 func HasLifecycleAPI(version string) bool {
 	v, err := semver.ParseTolerant(version)
 	if err != nil {
 		return false
 	}
-	return v.Major > 1 || (v.Major == 1 && v.Minor >= 13)
+	return v.GTE(lifecycleSince)
 }
 
 // UpgradeLegacy installs image through the legacy MachineService.Upgrade,
-// which also reboots the machine by itself (hosts below 1.13).
+// which also reboots the machine by itself (hosts below 1.13.0-beta.0).
 func UpgradeLegacy(ctx context.Context, c *talosclient.Client, node, image string, powercycle bool) error {
 	mode := machine.UpgradeRequest_DEFAULT
 	if powercycle {

@@ -37,7 +37,10 @@ func TestInstallerImage(t *testing.T) {
 }
 
 func TestHasLifecycleAPI(t *testing.T) {
-	for v, want := range map[string]bool{"v1.12.4": false, "v1.13.0": true, "v1.13.7": true, "v2.0.0": true, "1.11.0": false, "garbage": false} {
+	for v, want := range map[string]bool{
+		"v1.12.4": false, "v1.13.0-alpha.2": false, "v1.13.0-beta.0": true, "v1.13.0": true, "v1.13.7": true,
+		"v2.0.0": true, "1.11.0": false, "garbage": false,
+	} {
 		if got := HasLifecycleAPI(v); got != want {
 			t.Errorf("HasLifecycleAPI(%q) = %v, want %v", v, got, want)
 		}
