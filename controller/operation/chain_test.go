@@ -101,20 +101,11 @@ func TestChainedStepShownWhileItRuns(t *testing.T) {
 func TestKilledInAChain(t *testing.T) {
 	c := newCluster(t, sim.Cluster("", 1, 1))
 	w := c.fleet.Machines()[1]
-	var first atomic.Pointer[testcluster.Controller]
-	killed := make(chan struct{})
-	var once sync.Once
-	first.Store(c.startKillable(func(s operation.StepRun) {
-		if s.Machine == w.Name() && s.Step == executor.StepDrain && s.Err == nil {
-			once.Do(func() { first.Load().Kill(); close(killed) })
-		}
-	}))
+	killed := c.startKilledAfter(executor.StepDrain, func(s operation.StepRun) bool {
+		return s.Machine == w.Name() && s.Step == executor.StepDrain
+	})
 	c.create("killed", rebootOn(w))
-	select {
-	case <-killed:
-	case <-time.After(time.Minute):
-		t.Fatal("the drain never returned")
-	}
+	killed()
 	c.start()
 	c.waitSucceeded("killed", time.Minute)
 	if n := reboots(c.fleet.Recorder(), w.Name()); n != 1 {

@@ -299,25 +299,14 @@ func TestCallNotSentTwiceAfterACrash(t *testing.T) {
 			if tt.gone && tt.action == ichorv1.NodeReboot {
 				w.Inject(sim.Fault{Kind: sim.FaultNoReturn})
 			}
-			var first atomic.Pointer[testcluster.Controller]
-			killed := make(chan struct{})
-			var once sync.Once
-			first.Store(c.startKillable(func(s operation.StepRun) {
-				if s.Step == tt.step && s.Err == nil {
-					once.Do(func() { first.Load().Kill(); close(killed) })
-				}
-			}))
+			killed := c.startKilledAfter(tt.step, func(s operation.StepRun) bool { return s.Step == tt.step })
 			s := nodeSpec(w.Name(), tt.action)
 			s.Drain = &ichorv1.Drain{Disabled: true}
 			if tt.back {
 				s.Node.Reset = &ichorv1.ResetOptions{Reboot: true}
 			}
 			c.create("action", s)
-			select {
-			case <-killed:
-			case <-time.After(time.Minute):
-				t.Fatalf("the %s step never returned", tt.step)
-			}
+			killed()
 			if tt.gone {
 				testenv.Eventually(t, time.Minute, w.Name()+" gone", func(context.Context) (bool, error) { return w.Down(), nil })
 			}
@@ -347,6 +336,30 @@ func (c *cluster) startKillable(hook func(operation.StepRun)) *testcluster.Contr
 	c.t.Helper()
 	o := app.Options{Namespace: c.ctrlNS, Executors: executor.Default(), TestHookAfterRun: hook}
 	return testcluster.StartKillable(c.t, env.Config, o)
+}
+
+// startKilledAfter runs a controller (startKillable) that is killed right
+// after the first Run step that match accepts returns without an error,
+// before status records it. The function it returns waits for that kill;
+// step names the step in the failure when it never comes.
+func (c *cluster) startKilledAfter(step string, match func(operation.StepRun) bool) (killed func()) {
+	c.t.Helper()
+	var first atomic.Pointer[testcluster.Controller]
+	done := make(chan struct{})
+	var once sync.Once
+	first.Store(c.startKillable(func(s operation.StepRun) {
+		if s.Err == nil && match(s) {
+			once.Do(func() { first.Load().Kill(); close(done) })
+		}
+	}))
+	return func() {
+		c.t.Helper()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			c.t.Fatalf("the %s step never returned", step)
+		}
+	}
 }
 
 // TestStepsOfAMachineBoundKind: the steps of a kind whose steps read only

@@ -4,8 +4,6 @@ import (
 	"context"
 	"sort"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -18,7 +16,6 @@ import (
 	"maesh.dev/ichor/controller/executor"
 	"maesh.dev/ichor/controller/machine"
 	"maesh.dev/ichor/controller/operation"
-	"maesh.dev/ichor/internal/testcluster"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -317,20 +314,9 @@ func TestEarlyUpgradeNotSentTwiceAfterACrash(t *testing.T) {
 	spec.Machines[0].Talos = from
 	c := newCluster(t, spec)
 	m := c.fleet.Machines()[0]
-	var first atomic.Pointer[testcluster.Controller]
-	killed := make(chan struct{})
-	var once sync.Once
-	first.Store(c.startKillable(func(s operation.StepRun) {
-		if s.Step == executor.StepInstall && s.Err == nil {
-			once.Do(func() { first.Load().Kill(); close(killed) })
-		}
-	}))
+	killed := c.startKilledAfter(executor.StepInstall, func(s operation.StepRun) bool { return s.Step == executor.StepInstall })
 	c.create("upgrade", talosSpec(to))
-	select {
-	case <-killed:
-	case <-time.After(time.Minute):
-		t.Fatal("the install step never returned")
-	}
+	killed()
 	testenv.Eventually(t, time.Minute, m.Name()+" back on "+to, func(context.Context) (bool, error) {
 		return !m.Down() && m.Version() == to, nil
 	})
