@@ -67,8 +67,9 @@ var disruptive = []runtime.MachineStage{
 //   - answering in another disruptive stage: another sequence runs; wait
 //     for it to end;
 //   - answering otherwise: make the call, on a control plane right after
-//     the etcd health check (on a rerun after an earlier run may have made
-//     it, only once showTime has passed without the machine showing it);
+//     the etcd health check (when an earlier run, or this run's call that
+//     got no answer, may have made it: only once showTime has passed since
+//     without the machine showing it);
 //   - not answering: if an earlier run may have made the call (status
 //     counts the runs, MachineStatus.Calls) or this one's call got no
 //     answer, the machine is going down from it; otherwise it was not
@@ -79,10 +80,13 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{}, err
 	}
 	maybeMade := e.Machine.Calls > 1
-	began := time.Now()
+	// since is when the call may last have been made: for an earlier
+	// run's, this run's start; for this run's, the moment it got no answer
+	// (a send can take longer than showTime: a legacy upgrade pulls first).
+	since := time.Now()
 	var last error
 	for {
-		boot, stage, err := c.observe(ctx, e)
+		boot, stage, err := observe(ctx, e)
 		made, out := false, Outcome{}
 		if err == nil && c.made != nil {
 			made, out, err = c.made(ctx, e, boot)
@@ -97,7 +101,7 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil
 		case err == nil && slices.Contains(disruptive, stage):
 			last = fmt.Errorf("the machine is %s: another sequence runs on it", stage)
-		case err == nil && c.made == nil && maybeMade && time.Since(began) < showTime:
+		case err == nil && c.made == nil && maybeMade && time.Since(since) < showTime:
 			last = fmt.Errorf("an earlier run may have made the %s: waiting for the machine to show it", c.what)
 		case err == nil:
 			out, err := c.sendChecked(ctx, e)
@@ -111,7 +115,7 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 				return Outcome{}, err
 			}
 			// The call got no answer: it may have reached the machine.
-			maybeMade, last = true, err
+			maybeMade, last, since = true, err, time.Now()
 		case talos.Unreachable(err):
 			if maybeMade {
 				return Outcome{Message: fmt.Sprintf("%s: the machine no longer answers since the call was made", c.what)}, nil
@@ -123,14 +127,14 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 			return Outcome{}, fmt.Errorf("read the machine's state before the %s: %w", c.what, err)
 		}
 		if !c.again(ctx) {
-			return Outcome{}, c.giveUp(e, last)
+			return Outcome{}, c.giveUp(e, last, maybeMade)
 		}
 	}
 }
 
 // observe reads the machine's boot ID and stage, both at once: they are
 // one look at the machine, right before the call.
-func (c call) observe(ctx context.Context, e *Env) (string, runtime.MachineStage, error) {
+func observe(ctx context.Context, e *Env) (string, runtime.MachineStage, error) {
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
 	var boot string
@@ -178,10 +182,21 @@ func (c call) again(ctx context.Context) bool {
 	}
 }
 
-func (c call) giveUp(e *Env, last error) error {
+// giveUp is the step's failure when its time runs out. When the call may
+// have been made (an earlier run's, or this run's that got no answer), it
+// says so: a retry is a new attempt, which makes the call again.
+func (c call) giveUp(e *Env, last error, maybeMade bool) error {
+	reason := c.reason
 	if talos.Unreachable(last) {
-		return Fail("Unreachable", "%s does not answer the Talos API at %s (%v), so no %s was made: check that it runs and that the controller reaches it, then retry",
+		reason = "Unreachable"
+	}
+	if maybeMade {
+		return Fail(reason, "the %s of %s may have been made, but the machine does not show it (%v): look at the machine (talosctl -n %s dmesg) before a retry, which makes the call again",
+			c.what, e.Machine.Name, last, e.Address)
+	}
+	if talos.Unreachable(last) {
+		return Fail(reason, "%s does not answer the Talos API at %s (%v), so no %s was made: check that it runs and that the controller reaches it, then retry",
 			e.Machine.Name, e.Address, last, c.what)
 	}
-	return Fail(c.reason, "no %s was made: %v; retry once it is done", c.what, last)
+	return Fail(reason, "no %s was made: %v; retry once it is done", c.what, last)
 }

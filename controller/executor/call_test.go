@@ -60,6 +60,13 @@ func rebootSpec(m *sim.Machine) ichorv1.TalosOperationSpec {
 	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: m.Name(), Action: ichorv1.NodeReboot}}
 }
 
+// setShowTime sets showTime for one test.
+func setShowTime(t *testing.T, d time.Duration) {
+	old := showTime
+	showTime = d
+	t.Cleanup(func() { showTime = old })
+}
+
 func withTimeout(d time.Duration) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.Background(), d)
 }
@@ -119,6 +126,25 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 					clear()
 				}()
 			}, wantMsg: "reset sent"},
+		{name: "a call whose answer was lost is not sent again before the machine can show it", stop: time.Minute, start: 100 * time.Millisecond,
+			call: reset, calls: 1,
+			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
+				// The machine answers only after showTime has passed since the
+				// run began; then the call takes effect and its answer is lost.
+				setShowTime(t, 200*time.Millisecond)
+				clear := m.Inject(unreachable)
+				go func() {
+					for f.Recorder().Calls(m.Name(), "Read") < 15 {
+						time.Sleep(5 * time.Millisecond)
+					}
+					clear()
+				}()
+				m.Inject(sim.Fault{Kind: sim.FaultLost, Method: "Reset", Once: true})
+			}, wantMsg: "reset under way (stage resetting)"},
+		{name: "a call that never answers fails saying it may have been made", call: reset, timeout: 2 * time.Second, calls: 1,
+			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
+				m.Inject(sim.Fault{Kind: sim.FaultHang, Method: "Reset"})
+			}, wantReason: "Unreachable", wantMsg: "may have been made"},
 		{name: "a machine booted since an earlier run of the attempt has rebooted", call: nodeReboot, calls: 0,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				e.Machine.BootID, e.Machine.Calls = "the boot before", 2
