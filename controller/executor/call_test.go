@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/talos"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -227,5 +228,34 @@ func TestEtcdCheckRightBeforeTheCall(t *testing.T) {
 	}
 	if n := f.Recorder().Calls(cp.Name(), "MachineService/Reboot"); n != 0 {
 		t.Errorf("%d reboots of a control plane while etcd is unhealthy", n)
+	}
+}
+
+// TestRecoveryResetNotSentTwice: the etcd restore's reset of every control
+// plane, run again after an earlier run made it (its result never
+// recorded), sends nothing more while the recovering machine still
+// answers from its reset, on its old boot; it waits for the control
+// planes to come back from that one reset.
+func TestRecoveryResetNotSentTwice(t *testing.T) {
+	poll = 20 * time.Millisecond
+	spec := sim.Cluster("recovery", 3, 0)
+	spec.Durations.Stop = 2 * time.Second
+	f, c := fleet(t, spec)
+	rec := f.ControlPlanes()[0]
+	e := env(f, c, rec, ichorv1.TalosOperationSpec{Kind: ichorv1.KindEtcdRestore})
+	ctx, cancel := withTimeout(time.Minute)
+	defer cancel()
+	// The earlier run's call.
+	if err := talos.ResetForRecovery(ctx, c, e.ControlPlanes); err != nil {
+		t.Fatal(err)
+	}
+	e.Machine.Calls = 2
+	if _, err := runResetAll(ctx, e); err != nil {
+		t.Fatal(err)
+	}
+	for _, cp := range f.ControlPlanes() {
+		if n := f.Recorder().Calls(cp.Name(), "MachineService/Reset"); n != 1 {
+			t.Errorf("%s: %d resets, want 1", cp.Name(), n)
+		}
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/journal"
@@ -343,8 +344,7 @@ func notJournalled(ctx context.Context, e *Env) error {
 
 // runResetAll resets every control plane at once with EPHEMERAL wiped,
 // at most once: a rerun after an earlier run may have made the call
-// (Calls > 1) looks at the recovering machine, and one that has booted
-// since its recorded boot, or does not answer, had it. It returns once
+// (Calls > 1) looks at the recovering machine first (resetMade). It returns once
 // every control plane answers again, the recovering one with a new boot.
 //
 // In the driver of a controller with a takeover (Controller.Takeover),
@@ -357,12 +357,7 @@ func runResetAll(ctx context.Context, e *Env) (Outcome, error) {
 	if e.Controller.Takeover != nil {
 		return e.Controller.Takeover.HandOver(ctx, e)
 	}
-	made := false
-	if e.Machine.Calls > 1 {
-		boot, err := talos.BootID(ctx, e.Talos, e.Address)
-		made = talos.Unreachable(err) || err == nil && boot != e.Machine.BootID
-	}
-	if !made {
+	if e.Machine.Calls <= 1 || !resetMade(ctx, e) {
 		if err := talos.ResetForRecovery(ctx, e.Talos, e.ControlPlanes); err != nil && !talos.Unreachable(err) {
 			return Outcome{}, Fail("ResetFailed", "%w", err)
 		}
@@ -376,6 +371,29 @@ func runResetAll(ctx context.Context, e *Env) (Outcome, error) {
 		e.report("waiting for " + waiting + " to come back from the reset")
 		if err := pause(ctx, 2*time.Second); err != nil {
 			return Outcome{}, Fail("ResetTimedOut", "the control planes did not come back from the reset: %s does not answer", waiting)
+		}
+	}
+}
+
+// resetMade says whether an earlier run's reset reached the recovering
+// machine: it does not answer, it has booted since its recorded boot, or
+// it is in the reset's stages (resetting, then rebooting). A machine that
+// answers and shows none of it is given showTime to show it, as call.make
+// gives one: Talos answers the call first and enters the stage after.
+func resetMade(ctx context.Context, e *Env) bool {
+	since := time.Now()
+	for {
+		boot, stage, err := observe(ctx, e)
+		switch {
+		case talos.Unreachable(err):
+			return true
+		case err == nil && (boot != e.Machine.BootID || stage == runtime.MachineStageResetting || stage == runtime.MachineStageRebooting):
+			return true
+		case time.Since(since) >= showTime:
+			return false
+		}
+		if pause(ctx, poll) != nil {
+			return false
 		}
 	}
 }
