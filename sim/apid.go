@@ -151,7 +151,10 @@ func stopGracefully(gs *grpc.Server, grace time.Duration) {
 }
 
 // errEndpointClosed is how a call cut by its endpoint's close ends: what
-// the client sees when the connection goes from under it.
+// the client sees when the connection goes from under it. A call that
+// reached its machine and was cut by the machine going down (behind
+// another control plane's apid) ends so too: it may have been acted on,
+// unlike one that found the machine down (unavailable: a refused dial).
 var errEndpointClosed = status.Error(codes.Unavailable, "error reading from server: EOF")
 
 // endUnary ends a unary call when closed is done. An answer already made
@@ -300,14 +303,14 @@ func (f *Fleet) call(ctx context.Context, t target, fullMethod string, roles rol
 	wentDown := func() bool { return bootCtx.Err() != nil && ctx.Err() == nil }
 	if err := m.callFaults(callCtx, fullMethod); err != nil {
 		if wentDown() {
-			return nil, unavailable(m.addr)
+			return nil, errEndpointClosed
 		}
 		return nil, err
 	}
 	at := time.Now()
 	resp, err := fn(callCtx)
 	if (err != nil || stream) && wentDown() {
-		err = unavailable(m.addr)
+		err = errEndpointClosed
 	}
 	f.rec.handle(m.Name(), fullMethod, at, err)
 	if err != nil {

@@ -70,8 +70,11 @@
 // FilterMessages returns a *client.NodeError for it. Fan-out of
 // LifecycleService, ImageService and COSI is InvalidArgument, as in apid. A
 // call without metadata is answered by the endpoint's own machine. A machine
-// that is down answers Unavailable (connection refused); a control plane
-// that is down closes its listener, so its endpoint refuses connections.
+// that is down answers Unavailable (connection refused, as apid's dial to
+// it fails); a call under way when its machine goes down ends Unavailable
+// "error reading from server: EOF", as its connection does; a control
+// plane that is down closes its listener, so its endpoint refuses
+// connections.
 //
 // # What the machines do
 //
