@@ -72,7 +72,8 @@ var disruptive = []runtime.MachineStage{
 //     without the machine showing it);
 //   - not answering: if an earlier run may have made the call (status
 //     counts the runs, MachineStatus.Calls) or this one's call got no
-//     answer, the machine is going down from it; otherwise it was not
+//     answer (not one refused on its way, talos.NotSent, which the machine
+//     never saw), the machine is going down from it; otherwise it was not
 //     disrupted by us, so look again until the step's time is nearly up,
 //     then fail: a machine that does not answer is never "done".
 func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
@@ -114,8 +115,11 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 			if errors.As(err, &se) || !talos.Unreachable(err) {
 				return Outcome{}, err
 			}
-			// The call got no answer: it may have reached the machine.
-			maybeMade, last, since = true, err, time.Now()
+			last = err
+			if !talos.NotSent(err) {
+				// The call got no answer: it may have reached the machine.
+				maybeMade, since = true, time.Now()
+			}
 		case talos.Unreachable(err):
 			if maybeMade {
 				return Outcome{Message: fmt.Sprintf("%s: the machine no longer answers since the call was made", c.what)}, nil

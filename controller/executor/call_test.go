@@ -61,6 +61,26 @@ func rebootSpec(m *sim.Machine) ichorv1.TalosOperationSpec {
 	return ichorv1.TalosOperationSpec{Kind: ichorv1.KindNode, Node: &ichorv1.NodeAction{Machine: m.Name(), Action: ichorv1.NodeReboot}}
 }
 
+// goneBeforeTheCall is c made to a machine that stops between the look
+// that finds it up and the call: the call finds no machine to connect to.
+func goneBeforeTheCall(c call) call {
+	send := c.send
+	c.send = func(ctx context.Context, e *Env) (Outcome, error) {
+		if err := talos.Shutdown(ctx, e.Talos, e.Address, true); err != nil {
+			return Outcome{}, err
+		}
+		for {
+			if _, err := talos.BootID(ctx, e.Talos, e.Address); talos.Unreachable(err) {
+				return send(ctx, e)
+			}
+			if err := pause(ctx, poll); err != nil {
+				return Outcome{}, err
+			}
+		}
+	}
+	return c
+}
+
 // setShowTime sets showTime for one test.
 func setShowTime(t *testing.T, d time.Duration) {
 	old := showTime
@@ -142,6 +162,8 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 				}()
 				m.Inject(sim.Fault{Kind: sim.FaultLost, Method: "Reset", Once: true})
 			}, wantMsg: "reset under way (stage resetting)"},
+		{name: "a call refused by a machine gone meanwhile is not taken for made", call: goneBeforeTheCall(reset), timeout: 8 * time.Second,
+			calls: 1, wantReason: "Unreachable", wantMsg: "so no reset was made"},
 		{name: "a call that never answers fails saying it may have been made", call: reset, timeout: 2 * time.Second, calls: 1,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				m.Inject(sim.Fault{Kind: sim.FaultHang, Method: "Reset"})

@@ -256,6 +256,22 @@ func Unreachable(err error) bool {
 	return false
 }
 
+// NotSent reports whether err says that the call never reached the machine:
+// the connection to it could not be made ("Error while dialing", as gRPC
+// reports a refused or unknown address, and apid for the machine it
+// proxies to). Such a call cannot have been acted on, unlike one whose
+// answer did not come. gRPC sends a call again by itself only when the
+// first try provably did not reach the server, so a dial error is the
+// error of a call that never got there.
+func NotSent(err error) bool {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if s, ok := status.FromError(e); ok && s.Code() == codes.Unavailable && strings.Contains(s.Message(), "Error while dialing") {
+			return true
+		}
+	}
+	return false
+}
+
 // Refused reports whether err is a TLS handshake that failed on the
 // credentials (the machine does not accept the client certificate, or the
 // client does not trust the machine's server certificate): Unavailable,

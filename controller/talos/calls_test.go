@@ -47,6 +47,22 @@ func TestHasLifecycleAPI(t *testing.T) {
 	}
 }
 
+func TestNotSent(t *testing.T) {
+	for err, want := range map[error]bool{
+		status.Error(codes.Unavailable, `connection error: desc = "transport: Error while dialing: dial tcp 127.0.0.1:50000: connect: connection refused"`):       true,
+		fmt.Errorf("reset: %w", status.Error(codes.Unavailable, `connection error: desc = "transport: Error while dialing: dial tcp: lookup w-1: no such host"`)): true,
+		status.Error(codes.Unavailable, "error reading from server: EOF"):                                                                                         false,
+		status.Error(codes.Unavailable, "simulated fault"):                                                                                                        false,
+		status.Error(codes.DeadlineExceeded, "context deadline exceeded"):                                                                                         false,
+		status.Error(codes.Internal, "Error while dialing"):                                                                                                       false,
+		nil: false,
+	} {
+		if got := NotSent(err); got != want {
+			t.Errorf("NotSent(%v) = %v, want %v", err, got, want)
+		}
+	}
+}
+
 func TestRefused(t *testing.T) {
 	for msg, want := range map[error]bool{
 		status.Error(codes.Unavailable, `connection error: desc = "error reading server preface: remote error: tls: unknown certificate authority"`):                                               true,
