@@ -344,8 +344,9 @@ func notJournalled(ctx context.Context, e *Env) error {
 
 // runResetAll resets every control plane at once with EPHEMERAL wiped,
 // at most once: a rerun after an earlier run may have made the call
-// (Calls > 1) looks at the recovering machine first (resetMade). It returns once
-// every control plane answers again, the recovering one with a new boot.
+// (Calls > 1) looks at the recovering machine first (resetMade). It
+// returns once every control plane answers again, the recovering one with
+// a new boot.
 //
 // In the driver of a controller with a takeover (Controller.Takeover),
 // the step hands the rest of the flow over to it instead: the driver's
