@@ -293,7 +293,7 @@ func (t *turn) launch(ctx context.Context, check *lockCheck) (again bool, err er
 func (t *turn) run(m ichorv1.MachineStatus, step executor.Step) error {
 	env := t.stepEnv(m)
 	env.Log = t.log.WithValues("machine", m.Name, "step", m.Step, "attempt", m.Attempts)
-	return t.r.runner.launch(env.Op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(env.Op, env))
+	return t.r.runner.launch(env.Op, t.key(m.Name), step, m.Attempts, t.r.timeout(step), env, t.talos.Another(), t.follower(env))
 }
 
 // launchChained starts, beside the status write that records them, the
@@ -352,7 +352,7 @@ func (t *turn) startedAt(m ichorv1.MachineStatus, steps []executor.Step) bool {
 // lock is still the operation's: a cordon after a takeover would overlap
 // another holder's disruption. It runs in the run's goroutine and changes
 // only env, which is the run's own.
-func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower {
+func (t *turn) follower(env *executor.Env) follower {
 	exec, log, r := t.exec, t.log, t.r
 	return func(ctx context.Context, current string, out executor.Outcome) (executor.Step, time.Duration, bool) {
 		if out.Done {
@@ -360,7 +360,7 @@ func (t *turn) follower(op *ichorv1.TalosOperation, env *executor.Env) follower 
 		}
 		m := &env.Machine
 		record(m, out)
-		steps := exec.Steps(op, m)
+		steps := exec.Steps(env.Op, m)
 		next, ok := findStep(steps, stepAfter(steps, current, out))
 		if !ok || !chainable(next) {
 			return executor.Step{}, 0, false
