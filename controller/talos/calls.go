@@ -245,12 +245,17 @@ func Unreachable(err error) bool {
 	if errors.Is(err, context.DeadlineExceeded) {
 		return true
 	}
+	return anyStatus(err, func(s *status.Status) bool {
+		return s.Code() == codes.Unavailable || s.Code() == codes.DeadlineExceeded
+	})
+}
+
+// anyStatus reports whether err, or an error it wraps, is a gRPC status
+// that match accepts.
+func anyStatus(err error, match func(*status.Status) bool) bool {
 	for e := err; e != nil; e = errors.Unwrap(e) {
-		if s, ok := status.FromError(e); ok {
-			switch s.Code() {
-			case codes.Unavailable, codes.DeadlineExceeded:
-				return true
-			}
+		if s, ok := status.FromError(e); ok && match(s) {
+			return true
 		}
 	}
 	return false
@@ -264,12 +269,9 @@ func Unreachable(err error) bool {
 // first try provably did not reach the server, so a dial error is the
 // error of a call that never got there.
 func NotSent(err error) bool {
-	for e := err; e != nil; e = errors.Unwrap(e) {
-		if s, ok := status.FromError(e); ok && s.Code() == codes.Unavailable && strings.Contains(s.Message(), "Error while dialing") {
-			return true
-		}
-	}
-	return false
+	return anyStatus(err, func(s *status.Status) bool {
+		return s.Code() == codes.Unavailable && strings.Contains(s.Message(), "Error while dialing")
+	})
 }
 
 // Refused reports whether err is a TLS handshake that failed on the
