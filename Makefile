@@ -89,10 +89,10 @@ test: $(CONTROLLER_GEN) ## Run every test against a real API server and simulate
 	@assets=$$(hack/envtest-assets.sh); \
 	KUBEBUILDER_ASSETS=$$assets CONTROLLER_GEN=$(CONTROLLER_GEN) GOMAXPROCS=$(TEST_GOMAXPROCS) GOGC=$(TEST_GOGC) GOFLAGS="$(TEST_GOFLAGS)" go test $(TEST_FLAGS) $(PKGS)
 
-# One package at a time (-p 1): two benchmarks side by side would each measure the other's load.
+# Each benchmark in a process of its own, one at a time (hack/bench.sh).
 bench: ## Run the benchmarks and print each figure beside its budget as a ratio (hack/bench-summary.sh).
 	@assets=$$(hack/envtest-assets.sh); \
-	KUBEBUILDER_ASSETS=$$assets go test -p 1 -count=1 -run '^$$' -bench . -benchtime 1x -timeout 120m $(PKGS) | hack/bench-summary.sh
+	KUBEBUILDER_ASSETS=$$assets hack/bench.sh | hack/bench-summary.sh
 
 chaos: ## Run the seeded fault campaign (kills, Talos faults, operator actions) and print its report; 0 violations or it fails.
 	@assets=$$(hack/envtest-assets.sh); \

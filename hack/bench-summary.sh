@@ -2,10 +2,11 @@
 # Passes `go test -bench` output through and ends it with a table of every
 # figure: those reported against their budget (a metric named */budget) as
 # the ratio, within the budget at 1 or less, and the others (no budget,
-# like lists or MiB) as reported. make bench pipes its run through it.
+# like lists or MiB) as reported. make bench pipes its run through it; each
+# line goes on as it comes, so a long run shows where it is.
 set -euo pipefail
 awk '
-{ print }
+{ print; fflush() }
 $1 ~ /^Benchmark/ && NF >= 4 {
   for (i = 3; i < NF; i += 2) {
     unit = $(i + 1)
