@@ -1,13 +1,10 @@
 package sim_test
 
 import (
-	"bufio"
 	"cmp"
 	"context"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +12,7 @@ import (
 	"github.com/siderolabs/talos/pkg/machinery/client"
 	"k8s.io/client-go/kubernetes"
 
+	"maesh.dev/ichor/internal/proc"
 	"maesh.dev/ichor/sim"
 )
 
@@ -41,7 +39,9 @@ func BenchmarkFleet1000(b *testing.B) {
 			var startDur, serveDur time.Duration
 			var peak int64
 			for b.Loop() {
-				resetPeakRSS()
+				if err := proc.ResetPeak(); err != nil {
+					b.Fatal(err)
+				}
 				spec := fleetSpec(b, 3, 997)
 				spec.Logf = nil
 				t0 := time.Now()
@@ -54,7 +54,11 @@ func BenchmarkFleet1000(b *testing.B) {
 				t1 := time.Now()
 				versionAll(b, c, f)
 				serveDur += time.Since(t1)
-				peak = max(peak, peakRSS())
+				mem, err := proc.ReadMemory(os.Getpid())
+				if err != nil {
+					b.Fatal(err)
+				}
+				peak = max(peak, mem.Peak)
 				f.Stop()
 				_ = c.Close()
 			}
@@ -99,24 +103,4 @@ func versionAll(b *testing.B, c *client.Client, f *sim.Fleet) {
 	if got := f.Recorder().Calls("", "Version"); got < len(machines) {
 		b.Fatalf("%d Version calls served, want %d", got, len(machines))
 	}
-}
-
-// resetPeakRSS resets the kernel's high-water mark of the process's RSS.
-func resetPeakRSS() { _ = os.WriteFile("/proc/self/clear_refs", []byte("5"), 0) }
-
-// peakRSS is VmHWM from /proc/self/status, in bytes (0 if unreadable).
-func peakRSS() int64 {
-	f, err := os.Open("/proc/self/status")
-	if err != nil {
-		return 0
-	}
-	defer f.Close()
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		if v, ok := strings.CutPrefix(s.Text(), "VmHWM:"); ok {
-			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			return kb << 10
-		}
-	}
-	return 0
 }

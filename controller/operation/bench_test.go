@@ -16,7 +16,6 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -36,6 +35,7 @@ import (
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/controller/executor"
+	"maesh.dev/ichor/internal/proc"
 	"maesh.dev/ichor/internal/testenv"
 	"maesh.dev/ichor/sim"
 )
@@ -972,16 +972,12 @@ func heapProfile(b *testing.B, addr string) {
 // anonymous and file-backed pages (proc(5)) and the Go runtime's heap, as
 // pprof's debug page prints runtime.MemStats.
 func memStats(b *testing.B, addr string, pid int) {
-	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	mem, err := proc.ReadMemory(pid)
 	if err != nil {
 		b.Fatal(err)
 	}
-	var out []string
-	for _, line := range strings.Split(string(status), "\n") {
-		if k, v, ok := strings.Cut(line, ":"); ok && slices.Contains([]string{"VmHWM", "VmRSS", "RssAnon", "RssFile"}, k) {
-			out = append(out, k+" "+strings.TrimSpace(v))
-		}
-	}
+	out := []string{fmt.Sprintf("VmHWM %d kB", mem.Peak>>10), fmt.Sprintf("VmRSS %d kB", mem.Resident>>10),
+		fmt.Sprintf("RssAnon %d kB", mem.Anon>>10), fmt.Sprintf("RssFile %d kB", mem.File>>10)}
 	resp, err := http.Get("http://" + addr + "/debug/pprof/heap?debug=1")
 	if err != nil {
 		b.Fatalf("the controller's memory statistics: %v", err)
@@ -1063,35 +1059,27 @@ func (c *cluster) runningPods(ctx context.Context) (int, error) {
 }
 
 // resetPeakRSS starts this process's peak RSS (VmHWM) anew from its
-// current RSS (proc(5), clear_refs).
+// current RSS.
 func resetPeakRSS(b *testing.B) {
-	if err := os.WriteFile("/proc/self/clear_refs", []byte("5"), 0); err != nil {
-		b.Fatalf("reset the peak RSS: %v", err)
+	if err := proc.ResetPeak(); err != nil {
+		b.Fatal(err)
 	}
 }
 
-// cpuTime reads a process's user and system CPU time (proc(5), stat).
+// cpuTime reads a process's user and system CPU time.
 func cpuTime(b *testing.B, pid int) time.Duration {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	d, err := proc.CPUTime(pid)
 	if err != nil {
 		b.Fatal(err)
 	}
-	// The fields after the command name (in parentheses, which may hold spaces).
-	fields := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
-	utime, err1 := strconv.ParseInt(fields[11], 10, 64)
-	stime, err2 := strconv.ParseInt(fields[12], 10, 64)
-	if err1 != nil || err2 != nil {
-		b.Fatalf("parse /proc/%d/stat: %q", pid, data)
-	}
-	const ticks = 100 // USER_HZ on Linux
-	return time.Duration(utime+stime) * time.Second / ticks
+	return d
 }
 
 // peakRSS reads a process's peak resident set size (VmHWM).
 func peakRSS(b *testing.B, pid int) int64 {
-	n, err := testenv.PeakRSS(pid)
+	mem, err := proc.ReadMemory(pid)
 	if err != nil {
 		b.Fatal(err)
 	}
-	return n
+	return mem.Peak
 }

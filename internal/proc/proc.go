@@ -1,0 +1,84 @@
+// Package proc reads what Linux says of a process's memory and CPU
+// (proc(5)): the figures the benchmarks report of the controller, the
+// plugin and the simulated fleet.
+package proc
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Memory is a process's resident memory, in bytes (proc(5), status).
+type Memory struct {
+	// Peak is the high-water mark of the resident set (VmHWM).
+	Peak int64
+	// Resident is the resident set now (VmRSS): Anon plus File (and the
+	// shared memory, which these processes do not use).
+	Resident int64
+	// Anon is the resident anonymous memory (RssAnon): the heap, stacks.
+	Anon int64
+	// File is the resident file-backed memory (RssFile): mostly the
+	// binary's own pages, as many as the process touched and the kernel
+	// mapped around each fault from the page cache.
+	File int64
+}
+
+// ReadMemory reads the resident memory of process pid.
+func ReadMemory(pid int) (Memory, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return Memory{}, fmt.Errorf("read the memory of process %d: %w", pid, err)
+	}
+	var m Memory
+	fields := map[string]*int64{"VmHWM": &m.Peak, "VmRSS": &m.Resident, "RssAnon": &m.Anon, "RssFile": &m.File}
+	for _, line := range strings.Split(string(data), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		dst := fields[k]
+		if !ok || dst == nil {
+			continue
+		}
+		kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+		if err != nil {
+			return Memory{}, fmt.Errorf("parse %s of process %d: %w", k, pid, err)
+		}
+		*dst = kb << 10
+		delete(fields, k)
+	}
+	if len(fields) > 0 {
+		return Memory{}, fmt.Errorf("process %d: /proc/%d/status lacks %d of VmHWM, VmRSS, RssAnon and RssFile", pid, pid, len(fields))
+	}
+	return m, nil
+}
+
+// ResetPeak starts this process's peak resident set (VmHWM) anew from its
+// resident set now (proc(5), clear_refs).
+func ResetPeak() error {
+	if err := os.WriteFile("/proc/self/clear_refs", []byte("5"), 0); err != nil {
+		return fmt.Errorf("reset the peak RSS: %w", err)
+	}
+	return nil
+}
+
+// CPUTime reads the user and system CPU time process pid has used
+// (proc(5), stat).
+func CPUTime(pid int) (time.Duration, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, fmt.Errorf("read the CPU time of process %d: %w", pid, err)
+	}
+	// The fields after the command name (in parentheses, which may hold spaces).
+	fields := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
+	if len(fields) < 13 {
+		return 0, fmt.Errorf("parse /proc/%d/stat: %q", pid, data)
+	}
+	utime, err1 := strconv.ParseInt(fields[11], 10, 64)
+	stime, err2 := strconv.ParseInt(fields[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("parse /proc/%d/stat: %q", pid, data)
+	}
+	const ticks = 100 // USER_HZ on Linux
+	return time.Duration(utime+stime) * time.Second / ticks, nil
+}
