@@ -170,7 +170,9 @@ type MachineStatus struct {
 	To string `json:"to,omitempty"`
 	// BootID is the boot ID recorded before a reboot, so that a restarted
 	// controller can tell whether the reboot has happened. Cleared once the
-	// machine is done.
+	// machine is done, except on the machines of a call that ended the
+	// operation (a shutdown of every control plane), which keep the boot
+	// they ran before it: whether the call reached them.
 	// +optional
 	BootID string `json:"bootID,omitempty"`
 	// Stopped is true while work on the machine has stopped between two

@@ -276,21 +276,26 @@ const (
 )
 
 // Ended implements EndRecorder. The control plane that ran the call (e)
-// tells what happened since the final status was written:
-//   - it answers with the boot status recorded before the call, and is not
-//     shutting down: the call did not go out (the controller that wrote it
-//     was stopped first), or not yet: run the step again, which decides
-//     from the machine;
+// tells what happened since the final status was written, and when it
+// still runs as before, the other control planes of the call tell too:
 //   - it is shutting down or does not answer: the cluster is going down;
 //     look again soon (the API goes too);
 //   - it answers with another boot: the cluster was powered on again and
 //     has come back: record when, and which machines are back (Ready since
 //     the shutdown), and lift the cordons; look again at each Node event
-//     until every machine is.
+//     until every machine is;
+//   - it answers with the boot status recorded before the call, and is not
+//     shutting down, and so does every other control plane: the call did
+//     not go out (the controller that wrote it was stopped first), or not
+//     yet: run the step again, which decides from the machine;
+//   - it runs as before, but the call reached another control plane (it is
+//     shutting down, does not answer, or has booted since): the call went
+//     out and this machine's part of it failed, while no controller was
+//     there to record it. Never call again (the others may have been
+//     powered on since): wait while any is down, then record the cluster
+//     back, saying that this machine kept running.
 func (ClusterShutdown) Ended(ctx context.Context, e *Env) (EndState, error) {
-	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	boot, err := talos.BootID(ctx, e.Talos, e.Address)
+	boot, stage, err := bootAndStage(ctx, e, e.Address)
 	if talos.Unreachable(err) {
 		return EndState{Recheck: 2 * time.Second}, nil
 	}
@@ -298,23 +303,69 @@ func (ClusterShutdown) Ended(ctx context.Context, e *Env) (EndState, error) {
 		return EndState{}, fmt.Errorf("read the boot of %s after the shutdown: %w", e.Machine.Name, err)
 	}
 	if boot == e.Machine.BootID {
-		stage, err := talos.Stage(ctx, e.Talos, e.Address)
-		if err != nil && !talos.Unreachable(err) {
-			return EndState{}, err
-		}
-		if err != nil || stage == runtime.MachineStageShuttingDown {
+		if stage == runtime.MachineStageShuttingDown {
 			return EndState{Recheck: 2 * time.Second}, nil
 		}
-		return EndState{Relaunch: true, Recheck: 2 * time.Second}, nil
+		down, back, err := othersReached(ctx, e)
+		switch {
+		case err != nil:
+			return EndState{}, err
+		case down:
+			return EndState{Recheck: 2 * time.Second}, nil
+		case !back:
+			return EndState{Relaunch: true, Recheck: 2 * time.Second}, nil
+		}
+		cond := cameBack(e, e.Machine.Name)
+		return EndState{Condition: &cond, Uncordon: true, Done: cond.Reason == ReasonAllMachinesBack}, nil
 	}
-	cond := cameBack(e)
+	cond := cameBack(e, "")
 	return EndState{Condition: &cond, Uncordon: true, Done: cond.Reason == ReasonAllMachinesBack}, nil
+}
+
+// bootAndStage reads the boot ID of the machine at addr, and its stage
+// when it still answers (Talos answers before it goes down).
+func bootAndStage(ctx context.Context, e *Env, addr string) (string, runtime.MachineStage, error) {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	boot, err := talos.BootID(ctx, e.Talos, addr)
+	if err != nil {
+		return "", 0, err
+	}
+	stage, err := talos.Stage(ctx, e.Talos, addr)
+	return boot, stage, err
+}
+
+// othersReached looks at the control planes that the ending call covered
+// besides e's machine, each against the boot its entry recorded before the
+// call: down, when one is shutting down or does not answer; back, when one
+// has booted since. Neither: the call reached none of them.
+func othersReached(ctx context.Context, e *Env) (down, back bool, err error) {
+	for _, m := range e.Op.Status.Machines {
+		addr := nodeAddress(e, m.Name)
+		if m.Role != ichorv1.RoleControlPlane || m.Name == e.Machine.Name || m.BootID == "" || addr == "" {
+			continue // not in the call, or not reachable to it either
+		}
+		boot, stage, err := bootAndStage(ctx, e, addr)
+		switch {
+		case talos.Unreachable(err):
+			down = true
+		case err != nil:
+			return false, false, fmt.Errorf("read the boot of %s after the shutdown: %w", m.Name, err)
+		case boot != m.BootID:
+			back = true
+		case stage == runtime.MachineStageShuttingDown:
+			down = true
+		}
+	}
+	return down, back, nil
 }
 
 // cameBack is the ClusterBack condition: when the cluster came back (the
 // first time the controller found it so, kept afterwards) and which
-// machines are back, each Node Ready since the operation ended.
-func cameBack(e *Env) metav1.Condition {
+// machines are back, each Node Ready since the operation ended, or named
+// by keptRunning: the control plane whose part of the call failed, up all
+// along (its Node need not have said anything since).
+func cameBack(e *Env, keptRunning string) metav1.Condition {
 	since := e.Op.Status.CompletionTime
 	at := metav1.Now()
 	if c := meta.FindStatusCondition(e.Op.Status.Conditions, ichorv1.ConditionClusterBack); c != nil {
@@ -327,7 +378,7 @@ func cameBack(e *Env) metav1.Condition {
 	var missing []string
 	ms := e.Op.Status.Machines
 	for _, m := range ms {
-		if n := byName[m.Name]; n == nil || !backSince(n, since) {
+		if n := byName[m.Name]; m.Name != keptRunning && (n == nil || !backSince(n, since)) {
 			missing = append(missing, m.Name)
 		}
 	}
@@ -336,6 +387,9 @@ func cameBack(e *Env) metav1.Condition {
 	if len(missing) > 0 {
 		reason = ReasonMachinesMissing
 		msg += "; not back yet (Node not Ready since the shutdown): " + strings.Join(missing, ", ")
+	}
+	if keptRunning != "" {
+		msg += "; " + keptRunning + " kept running: its part of the shutdown call failed while no controller was there to record it"
 	}
 	return metav1.Condition{Type: ichorv1.ConditionClusterBack, Status: metav1.ConditionTrue, Reason: reason, Message: msg,
 		LastTransitionTime: at, ObservedGeneration: e.Op.Generation}

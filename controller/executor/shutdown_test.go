@@ -1,6 +1,7 @@
 package executor
 
 import (
+	"context"
 	"reflect"
 	"strings"
 	"testing"
@@ -10,6 +11,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
+	"maesh.dev/ichor/controller/talos"
+	"maesh.dev/ichor/internal/testenv"
+	"maesh.dev/ichor/sim"
 )
 
 // TestShutdownSteps: the workers are drained unless force (then they are
@@ -113,7 +117,7 @@ func TestCameBack(t *testing.T) {
 	op := &ichorv1.TalosOperation{Status: ichorv1.TalosOperationStatus{CompletionTime: &ended,
 		Machines: []ichorv1.MachineStatus{{Name: "cp"}, {Name: "w1"}, {Name: "w2"}}}}
 	e := &Env{Op: op, Nodes: []*corev1.Node{ready("cp", time.Now()), ready("w1", ended.Add(-time.Second))}}
-	c := cameBack(e)
+	c := cameBack(e, "")
 	if c.Reason != ReasonMachinesMissing || !strings.Contains(c.Message, "1/3 machines back") || !strings.HasSuffix(c.Message, "w1, w2") {
 		t.Errorf("first look: %s %s", c.Reason, c.Message)
 	}
@@ -121,8 +125,88 @@ func TestCameBack(t *testing.T) {
 	c.LastTransitionTime = first
 	op.Status.Conditions = []metav1.Condition{c}
 	e.Nodes = []*corev1.Node{ready("cp", time.Now()), ready("w1", time.Now()), ready("w2", time.Now())}
-	c = cameBack(e)
+	c = cameBack(e, "")
 	if c.Reason != ReasonAllMachinesBack || !c.LastTransitionTime.Equal(&first) || !strings.Contains(c.Message, first.UTC().Format(time.RFC3339)) {
 		t.Errorf("all back: %s %s at %s, want the first time %s", c.Reason, c.Message, c.LastTransitionTime, first)
+	}
+}
+
+// TestEndedAfterAPartialCall: the shutdown call of every control plane
+// went out, but the control plane that made it kept running (its part was
+// refused) and no controller recorded that. While the call had reached
+// nobody, the step runs again; once it has reached the others, never:
+// while they are off it looks again, and once they are powered on again
+// the cluster is back, with the one that kept running named.
+func TestEndedAfterAPartialCall(t *testing.T) {
+	f, c := fleet(t, sim.Cluster("", 3, 0))
+	cps := f.ControlPlanes()
+	lead := cps[0]
+	e := env(f, c, lead, ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{}})
+	ended := metav1.Now()
+	e.Op.Status.CompletionTime = &ended
+	for _, m := range cps {
+		entry := ichorv1.MachineStatus{Name: m.Name(), Role: ichorv1.RoleControlPlane, Phase: ichorv1.MachineSucceeded, BootID: m.BootID()}
+		if m == lead {
+			entry.Step, entry.Calls = StepShutdownControlPlanes, 1
+		}
+		e.Op.Status.Machines = append(e.Op.Status.Machines, entry)
+	}
+	// Nodes that say where each machine answers, Ready; the others' said so
+	// just now, the lead's (up all along) last before the shutdown.
+	nodes := func() {
+		e.Nodes = nil
+		for _, m := range cps {
+			said := metav1.Now()
+			if m == lead {
+				said = metav1.NewTime(ended.Add(-time.Minute))
+			}
+			e.Nodes = append(e.Nodes, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: m.Name()}, Status: corev1.NodeStatus{
+				Addresses:  []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: m.Address()}},
+				Conditions: []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue, LastHeartbeatTime: said, LastTransitionTime: said}}}})
+		}
+	}
+	nodes()
+	ctx := context.Background()
+	ended1 := func(what string) EndState {
+		t.Helper()
+		got, err := ClusterShutdown{}.Ended(ctx, e)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		return got
+	}
+
+	if got := ended1("nothing reached"); !got.Relaunch || got.Condition != nil {
+		t.Errorf("every control plane runs as before: %+v, want a relaunch", got)
+	}
+
+	for _, m := range cps[1:] {
+		if err := talos.Shutdown(ctx, c, m.Address(), true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, time.Minute, "the others off", func(context.Context) (bool, error) { return cps[1].Off() && cps[2].Off(), nil })
+	if got := ended1("the others off"); got.Relaunch || got.Condition != nil || got.Recheck == 0 {
+		t.Errorf("the others are off: %+v, want to look again later, no relaunch", got)
+	}
+
+	for _, m := range cps[1:] {
+		if err := m.PowerOn(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testenv.Eventually(t, time.Minute, "the others back", func(ctx context.Context) (bool, error) {
+		for _, m := range cps[1:] {
+			if _, err := talos.BootID(ctx, c, m.Address()); err != nil {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	nodes()
+	got := ended1("the others back")
+	if got.Relaunch || got.Condition == nil || got.Condition.Reason != ReasonAllMachinesBack || !got.Done || !got.Uncordon ||
+		!strings.Contains(got.Condition.Message, lead.Name()+" kept running: its part of the shutdown call failed") {
+		t.Errorf("the others powered on again: %+v, want the cluster back, %s named as kept running, no relaunch", got, lead.Name())
 	}
 }

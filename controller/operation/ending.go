@@ -61,6 +61,12 @@ func (t *turn) end(m *ichorv1.MachineStatus, step executor.Step) {
 		o := &st.Machines[i]
 		if o.Phase == ichorv1.MachinePending {
 			o.Phase, o.FinishedAt, o.Message = ichorv1.MachineSucceeded, &t.now, inTheCall(m.Name)
+			// The boot it runs before the call, as its Node reports it: the
+			// kind tells from it afterwards whether the call reached the
+			// machine (EndRecorder), which a relaunch must not call again.
+			if n := t.node(o.Name); n != nil {
+				o.BootID = n.Status.NodeInfo.BootID
+			}
 		}
 	}
 	t.event(corev1.EventTypeNormal, "Ending", "%s: %s: %s", m.Name, step.Name, step.Ends)
@@ -74,7 +80,7 @@ func (t *turn) unend(m *ichorv1.MachineStatus) {
 	for i := range st.Machines {
 		o := &st.Machines[i]
 		if o.Phase == ichorv1.MachineSucceeded && o.Message == inTheCall(m.Name) {
-			o.Phase, o.FinishedAt, o.Message = ichorv1.MachinePending, nil, ""
+			o.Phase, o.FinishedAt, o.Message, o.BootID = ichorv1.MachinePending, nil, "", ""
 		}
 	}
 	m.Phase, m.FinishedAt = ichorv1.MachineInProgress, nil

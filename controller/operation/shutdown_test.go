@@ -2,6 +2,7 @@ package operation_test
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -156,6 +158,73 @@ func TestShutdownWholeCluster(t *testing.T) {
 	for _, m := range ms[1:3] {
 		if c := rec.Handled(m.Name(), "Shutdown"); len(c) == 1 && len(cps) == 1 && c[0].At.Sub(cps[0].At).Abs() > time.Second {
 			t.Errorf("%s was shut down at %s, %s at %s: not in one call", m.Name(), c[0].At, ms[0].Name(), cps[0].At)
+		}
+	}
+}
+
+// TestShutdownCallReachedSome: the control planes' shutdown call reaches
+// every control plane but the one that made it (its part is refused), and
+// the controller is killed before it records that failure. The others are
+// powered on again before a controller runs. The next controller must not
+// make the call again (it would shut down the machines just powered on):
+// it records the cluster back, naming the one that kept running, and each
+// of the others got exactly one Shutdown.
+func TestShutdownCallReachedSome(t *testing.T) {
+	spec := sim.Cluster("", 3, 0)
+	// A machine is back once its Node says Ready after the operation's
+	// completion, both to the second: booting takes longer than that.
+	spec.Durations = sim.DefaultDurations()
+	spec.Durations.Reboot = 2 * time.Second
+	c := newCluster(t, spec)
+	cps := c.fleet.Machines()
+	lead := cps[0]
+	lead.Inject(sim.Fault{Kind: sim.FaultError, Method: "Shutdown", Code: codes.FailedPrecondition, Once: true})
+	killed := make(chan struct{})
+	var ctl atomic.Pointer[testcluster.Controller]
+	var once sync.Once
+	hook := func(s operation.StepRun) {
+		if s.Step == executor.StepShutdownControlPlanes {
+			if s.Machine != lead.Name() || s.Err == nil {
+				t.Errorf("the control planes' call from %s returned %v, want %s's part refused", s.Machine, s.Err, lead.Name())
+			}
+			once.Do(func() { ctl.Load().Kill(); close(killed) })
+		}
+	}
+	ctl.Store(testcluster.StartKillable(t, env.Config, app.Options{Namespace: c.ctrlNS, TestHookAfterRun: hook}))
+	c.create("shutdown", ichorv1.TalosOperationSpec{Kind: ichorv1.KindShutdown, Shutdown: &ichorv1.ClusterShutdown{}})
+	select {
+	case <-killed:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the control planes' shutdown never ran")
+	}
+	ctl.Load().Stop()
+	testenv.Eventually(t, time.Minute, "the others off", func(context.Context) (bool, error) { return cps[1].Off() && cps[2].Off(), nil })
+	for _, m := range cps[1:] {
+		if err := m.PowerOn(); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	c.start()
+	var got *ichorv1.TalosOperation
+	shutdowns := func(m *sim.Machine) int { return len(c.fleet.Recorder().Handled(m.Name(), "Shutdown")) }
+	testenv.Eventually(t, 2*time.Minute, "the cluster recorded back", func(ctx context.Context) (bool, error) {
+		for _, m := range cps[1:] {
+			if n := shutdowns(m); n != 1 {
+				return false, fmt.Errorf("%s got %d Shutdown calls, want 1 (the call was made again)", m.Name(), n)
+			}
+		}
+		got = c.get("shutdown")
+		back := meta.FindStatusCondition(got.Status.Conditions, ichorv1.ConditionClusterBack)
+		return back != nil && back.Reason == executor.ReasonAllMachinesBack, nil
+	})
+	back := meta.FindStatusCondition(got.Status.Conditions, ichorv1.ConditionClusterBack)
+	if !got.Succeeded() || !strings.Contains(back.Message, lead.Name()+" kept running: its part of the shutdown call failed") {
+		t.Errorf("the operation is %s, ClusterBack %q", got.Status.Phase, back.Message)
+	}
+	for _, m := range cps {
+		if m.Off() {
+			t.Errorf("%s is off", m.Name())
 		}
 	}
 }
