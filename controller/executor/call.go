@@ -57,15 +57,16 @@ var disruptive = []runtime.MachineStage{
 
 // make makes the call at most once per step and attempt, deciding from
 // what the machine shows, never from silence:
-//   - in one of the call's stages, or booted again since status recorded
-//     its boot ID after an earlier run of this attempt may have made the
-//     call (a boot before that is someone else's: another operation's
-//     reboot between a failed attempt and its retry), or, for a call that
-//     says it (made),
-//     showing what the call leaves: the call was made, by this run or an
-//     earlier one; it is not made again;
-//   - answering in another disruptive stage: another sequence runs; wait
-//     for it to end;
+//   - after an earlier run of this attempt may have made the call (or this
+//     run's got no answer), in one of the call's stages, or booted again
+//     since status recorded its boot ID (a boot before that is someone
+//     else's: another operation's reboot between a failed attempt and its
+//     retry), or, for a call that says it (made), showing what the call
+//     leaves: the call was made, by this run or an earlier one; it is not
+//     made again;
+//   - answering in a disruptive stage otherwise (the call's own on a first
+//     run is someone else's sequence: a reboot shows the stage a legacy
+//     upgrade ends in): another sequence runs; wait for it to end;
 //   - answering otherwise: make the call, on a control plane right after
 //     the etcd health check (when an earlier run, or this run's call that
 //     got no answer, may have made it: only once showTime has passed since
@@ -96,7 +97,7 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 		switch {
 		case made:
 			return out, nil
-		case err == nil && c.made == nil && slices.Contains(c.stages, stage):
+		case err == nil && c.made == nil && maybeMade && slices.Contains(c.stages, stage):
 			return Outcome{Message: fmt.Sprintf("%s under way (stage %s)", c.what, stage)}, nil
 		case err == nil && c.made == nil && e.Machine.BootID != "" && boot != e.Machine.BootID && maybeMade:
 			return Outcome{Message: c.what + " done: the machine has booted again since"}, nil

@@ -8,6 +8,7 @@ import (
 
 	"github.com/go-logr/logr"
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
+	"github.com/siderolabs/talos/pkg/machinery/resources/runtime"
 	"google.golang.org/grpc/codes"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
@@ -181,6 +182,17 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				e.Machine.BootID = "the boot before"
 			}, wantMsg: "reset sent"},
+		{name: "someone else's reboot is no upgrade on a first run", call: legacyUpgrade, stop: 500 * time.Millisecond, calls: 1,
+			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
+				// Talos shows a legacy upgrade's kexec as Rebooting too.
+				e.Op.Spec = ichorv1.TalosOperationSpec{Kind: ichorv1.KindTalos, Talos: &ichorv1.TalosUpgrade{Version: "v1.13.7"}}
+				if err := talos.Reboot(context.Background(), e.Talos, e.Address, false); err != nil {
+					t.Fatal(err)
+				}
+				testenv.Eventually(t, 10*time.Second, "the machine rebooting", func(context.Context) (bool, error) {
+					return m.Stage() == runtime.MachineStageRebooting, nil
+				})
+			}, wantMsg: "upgrade sent"},
 		{name: "Talos refuses the call", call: reset, calls: 1,
 			before: func(t *testing.T, f *sim.Fleet, m *sim.Machine, e *Env) {
 				m.Inject(sim.Fault{Kind: sim.FaultError, Method: "Reset", Code: codes.InvalidArgument})
@@ -221,9 +233,9 @@ func TestCallDecidesFromEvidence(t *testing.T) {
 			case out.Message != tt.wantMsg:
 				t.Errorf("message %q, want %q", out.Message, tt.wantMsg)
 			}
-			method := "Reset"
-			if tt.call.what == "reboot" {
-				method = "Reboot"
+			method := map[string]string{"reboot": "Reboot", "upgrade": "Upgrade"}[tt.call.what]
+			if method == "" {
+				method = "Reset"
 			}
 			if n := f.Recorder().Calls(m.Name(), "MachineService/"+method); n != tt.calls {
 				t.Errorf("%d %s calls, want %d", n, method, tt.calls)
