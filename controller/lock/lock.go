@@ -214,12 +214,12 @@ func (l *Lock) Ending(h Holder, idle time.Time) (done func()) {
 var endingWait = 5 * time.Second
 
 // awaitEnd waits for the release of h when this process is recording h's
-// end, and reports whether it came (false: h is not ending here, or its
-// release took longer than endingWait). It calls the request's WhileEnding
-// first, when h is ending idle.
-func (l *Lock) awaitEnd(ctx context.Context, req Request, h Holder) (bool, error) {
+// end (found), and reports whether it came (ended: false when h is not
+// ending here, or its release took longer than endingWait). It calls the
+// request's WhileEnding first, when h is ending idle.
+func (l *Lock) awaitEnd(ctx context.Context, req Request, h Holder) (found, ended bool, err error) {
 	if h.UID == "" {
-		return false, nil
+		return false, false, nil
 	}
 	l.mu.Lock()
 	e := l.ending[h.UID]
@@ -228,7 +228,7 @@ func (l *Lock) awaitEnd(ctx context.Context, req Request, h Holder) (bool, error
 	}
 	l.mu.Unlock()
 	if e == nil {
-		return false, nil
+		return false, false, nil
 	}
 	defer func() {
 		l.mu.Lock()
@@ -242,11 +242,11 @@ func (l *Lock) awaitEnd(ctx context.Context, req Request, h Holder) (bool, error
 	defer timer.Stop()
 	select {
 	case <-e.done:
-		return true, nil
+		return true, true, nil
 	case <-timer.C:
-		return false, nil
+		return true, false, nil
 	case <-ctx.Done():
-		return false, ctx.Err()
+		return true, false, ctx.Err()
 	}
 }
 
@@ -500,8 +500,9 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 		return Result{}, err
 	}
 	me := req.Holder
+	awaited := false
 	if !st.Free() && !st.Holds(me) {
-		ended, err := l.awaitEnd(ctx, req, st.Holder)
+		found, ended, err := l.awaitEnd(ctx, req, st.Holder)
 		if err != nil {
 			return Result{}, err
 		}
@@ -509,6 +510,7 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 			// Decide again, most often on the free Lease that the release wrote.
 			return l.acquire(ctx, req)
 		}
+		awaited = found
 	}
 	switch {
 	case st.Holds(me):
@@ -529,6 +531,18 @@ func (l *Lock) acquire(ctx context.Context, req Request) (Result, error) {
 		}
 		if !v.Stale {
 			return l.wait(ctx, lease, st, req, Result{Holder: st.Holder.Identity, Since: st.Since})
+		}
+		if !awaited {
+			// The holder's end may have begun here while it was judged (its
+			// end written is what makes it completed): await its release
+			// rather than take it over.
+			_, ended, err := l.awaitEnd(ctx, req, st.Holder)
+			if err != nil {
+				return Result{}, err
+			}
+			if ended {
+				return l.acquire(ctx, req)
+			}
 		}
 		tookOver = st.Holder.Identity + " (" + v.Why + ")"
 	}

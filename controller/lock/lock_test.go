@@ -842,6 +842,10 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 		// idle: a ends idle (Ending's idle moment), and b's WhileEnding is
 		// called with it.
 		idle bool
+		// endsWhileJudged: a's end begins (Ending) while b's Acquire judges
+		// a, after it found no end under way; a's status, as the judge
+		// reads it, already shows the end written.
+		endsWhileJudged bool
 	}{
 		{name: "a releases", status: running, end: releases, taken: true, reads: 2},
 		{name: "a releases, idle", status: running, end: releases, taken: true, reads: 2, idle: true},
@@ -849,6 +853,8 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 			judged: 1, reads: 2},
 		{name: "a's release takes too long", status: ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded},
 			taken: true, tookOver: true, judged: 1, reads: 1},
+		{name: "a's end begins while b judges it", status: ichorv1.TalosOperationStatus{Phase: ichorv1.PhaseSucceeded},
+			endsWhileJudged: true, end: releases, taken: true, judged: 1, reads: 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			wait := time.Minute
@@ -860,19 +866,27 @@ func TestAwaitTheEndingRelease(t *testing.T) {
 			l := newLock(w.ns)
 			a, b := holds(w.op("a", tc.status)), holds(w.op("b", running))
 			mustAcquire(t, l, a)
-			judge, judged := l.Judge, 0
-			l.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
-				judged++
-				return judge.Stale(ctx, h)
-			})
-			live := &countingReader{Reader: env.Client}
-			l.Live = live
 			var idle time.Time
 			if tc.idle {
 				idle = time.Now()
 			}
-			done := l.Ending(a, idle)
-			defer done()
+			// done is read once b waits for a's release, which comes after
+			// the judge that sets it when a's end begins there.
+			done := func() {}
+			judge, judged := l.Judge, 0
+			l.Judge = judgeFunc(func(ctx context.Context, h lock.Holder) (lock.Verdict, error) {
+				judged++
+				if tc.endsWhileJudged && judged == 1 {
+					done = l.Ending(a, idle)
+				}
+				return judge.Stale(ctx, h)
+			})
+			live := &countingReader{Reader: env.Client}
+			l.Live = live
+			if !tc.endsWhileJudged {
+				done = l.Ending(a, idle)
+			}
+			defer func() { done() }()
 			got := make(chan lock.Result, 1)
 			var whileEnding []time.Time
 			go func() {
