@@ -140,13 +140,18 @@ func (c call) make(ctx context.Context, e *Env) (Outcome, error) {
 // observe reads the machine's boot ID and stage, both at once: they are
 // one look at the machine, right before the call.
 func observe(ctx context.Context, e *Env) (string, runtime.MachineStage, error) {
+	return observeAt(ctx, e, e.Address)
+}
+
+// observeAt is observe of the machine at addr (another of the call's).
+func observeAt(ctx context.Context, e *Env, addr string) (string, runtime.MachineStage, error) {
 	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
 	var boot string
 	var stage runtime.MachineStage
 	var g errgroup.Group
-	g.Go(func() (err error) { boot, err = talos.BootID(ctx, e.Talos, e.Address); return err })
-	g.Go(func() (err error) { stage, err = talos.Stage(ctx, e.Talos, e.Address); return err })
+	g.Go(func() (err error) { boot, err = talos.BootID(ctx, e.Talos, addr); return err })
+	g.Go(func() (err error) { stage, err = talos.Stage(ctx, e.Talos, addr); return err })
 	if err := g.Wait(); err != nil {
 		return "", 0, err
 	}

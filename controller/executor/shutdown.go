@@ -295,7 +295,7 @@ const (
 //     powered on since): wait while any is down, then record the cluster
 //     back, saying that this machine kept running.
 func (ClusterShutdown) Ended(ctx context.Context, e *Env) (EndState, error) {
-	boot, stage, err := bootAndStage(ctx, e, e.Address)
+	boot, stage, err := observe(ctx, e)
 	if talos.Unreachable(err) {
 		return EndState{Recheck: 2 * time.Second}, nil
 	}
@@ -322,30 +322,20 @@ func (ClusterShutdown) Ended(ctx context.Context, e *Env) (EndState, error) {
 	return EndState{Condition: &cond, Uncordon: true, Done: cond.Reason == ReasonAllMachinesBack}, nil
 }
 
-// bootAndStage reads the boot ID of the machine at addr, and its stage
-// when it still answers (Talos answers before it goes down).
-func bootAndStage(ctx context.Context, e *Env, addr string) (string, runtime.MachineStage, error) {
-	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	boot, err := talos.BootID(ctx, e.Talos, addr)
-	if err != nil {
-		return "", 0, err
-	}
-	stage, err := talos.Stage(ctx, e.Talos, addr)
-	return boot, stage, err
-}
-
 // othersReached looks at the control planes that the ending call covered
 // besides e's machine, each against the boot its entry recorded before the
 // call: down, when one is shutting down or does not answer; back, when one
 // has booted since. Neither: the call reached none of them.
 func othersReached(ctx context.Context, e *Env) (down, back bool, err error) {
 	for _, m := range e.Op.Status.Machines {
-		addr := nodeAddress(e, m.Name)
-		if m.Role != ichorv1.RoleControlPlane || m.Name == e.Machine.Name || m.BootID == "" || addr == "" {
-			continue // not in the call, or not reachable to it either
+		if m.Role != ichorv1.RoleControlPlane || m.Name == e.Machine.Name || m.BootID == "" {
+			continue // not in the call
 		}
-		boot, stage, err := bootAndStage(ctx, e, addr)
+		addr := nodeAddress(e, m.Name)
+		if addr == "" {
+			continue // not reachable to the call either
+		}
+		boot, stage, err := observeAt(ctx, e, addr)
 		switch {
 		case talos.Unreachable(err):
 			down = true
