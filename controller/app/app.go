@@ -150,7 +150,7 @@ func New(cfg *rest.Config, o Options) (*Controller, error) {
 	if err != nil {
 		return nil, fmt.Errorf("clientset: %w", err)
 	}
-	tk := &executor.Takeover{Dir: orDefault(o.HandoverDir, os.TempDir()), Kube: live, Clientset: cs,
+	tk := &executor.Takeover{Dir: orDefault(o.HandoverDir, os.TempDir()), Pod: o.Pod, Kube: live, Clientset: cs,
 		Log: o.Log.WithName("etcd-restore"), TalosOptions: []talosclient.OptionFunc{talosclient.WithGRPCDialOptions(o.TalosDialOptions...)}}
 	if hook := o.TestHookAfterRun; hook != nil {
 		tk.TestHookAfterStep = func(machine, step string, err error) {

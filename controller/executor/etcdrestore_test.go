@@ -3,7 +3,9 @@ package executor_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"net/http/httptest"
 	"os"
@@ -144,6 +146,7 @@ func TestEtcdRestoreSteps(t *testing.T) {
 	}
 
 	takeOver(t, ctx, f, kenv, tc, rec, env)
+	fenced(t, ctx, f, kenv, tc, rec, env)
 }
 
 // takeOver: a second restore, its tail handed over to a Takeover that is
@@ -206,6 +209,174 @@ func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env
 	}
 	if _, err := os.Stat(filepath.Join(dir, "etcd-restore-handover.json")); !os.IsNotExist(err) {
 		t.Fatalf("the hand-over file is still there: %v", err)
+	}
+}
+
+// fenced: a third restore, handed over to the takeover of pod ichor-a,
+// whose Reset calls are held in its client while the API is still there,
+// as when a controller loses its leadership just after the hand-over. The
+// new leader (pod ichor-b) runs the step again: it finds the journal held
+// and waits, journalling nothing and calling nothing. ichor-a's takeover
+// is killed with its reset unmade, and once its pod is gone ichor-b
+// continues the journal; ichor-a resumed then (its container restarted)
+// stands down. Every control plane is reset once, and the restore
+// finishes.
+func fenced(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine, env func(*ichorv1.TalosOperation) *executor.Env) {
+	kc := kenv.Kube
+	testenv.CreateConfigMaps(t, kc, "third")
+	snap := filepath.Join(t.TempDir(), "etcd3.snapshot")
+	testcluster.TakeSnapshot(t, tc, rec, snap)
+	testenv.CreateConfigMaps(t, kc, "last")
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "restore3"}, Spec: ichorv1.TalosOperationSpec{
+		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
+	if err := kenv.Client.Create(ctx, op); err != nil {
+		t.Fatal(err)
+	}
+	e := env(op)
+	for _, name := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers} {
+		e.Machine.Step = name
+		runStep(t, ctx, stepNamed(t, e, name), e)
+	}
+	cfg, err := f.Talosconfig().Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	putObjects(t, ctx, kenv.Client,
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: e.Controller.Namespace}},
+		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: e.Controller.Namespace, Name: ichorv1.TalosconfigSecret},
+			Data: map[string][]byte{ichorv1.TalosconfigKey: cfg}},
+		// No controller manager makes the ServiceAccount a pod is admitted with.
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "default"}},
+		controllerPod("ichor-a"), controllerPod("ichor-b"))
+	resets := func() (n int) {
+		for _, cp := range f.ControlPlanes() {
+			for _, c := range f.Recorder().Handled(cp.Name(), "Reset") {
+				if c.Accepted() {
+					n++
+				}
+			}
+		}
+		return n
+	}
+	before := resets()
+	inReset := make(chan struct{}, len(f.ControlPlanes()))
+	holdResets := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoke grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if !strings.HasSuffix(method, "/Reset") {
+			return invoke(ctx, method, req, reply, cc, opts...)
+		}
+		inReset <- struct{}{}
+		<-ctx.Done()
+		return ctx.Err()
+	}
+
+	newTakeover := func(dir, pod string) *executor.Takeover {
+		return &executor.Takeover{Dir: dir, Pod: "default/" + pod, Kube: kenv.Client, Clientset: kc, Log: testr.New(t)}
+	}
+	dirA := t.TempDir()
+	a := newTakeover(dirA, "ichor-a")
+	a.TalosOptions = []talosclient.OptionFunc{talosclient.WithGRPCDialOptions(grpc.WithChainUnaryInterceptor(holdResets))}
+	actx, killA := context.WithCancel(ctx)
+	defer killA()
+	if _, err := a.Begin(actx, e, cfg); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Receive(t, ctx, inReset, "ichor-a's Reset call")
+	j := journal.Journal{Talos: tc, ControlPlanes: e.ControlPlanes}
+	held, _, err := j.ReadState(ctx)
+	if err != nil || held == nil || held.Machine.Step != executor.StepResetAll || held.Owner != "default/ichor-a" {
+		t.Fatalf("the journal during ichor-a's reset: %+v (%v), want its step, owned by default/ichor-a", held, err)
+	}
+
+	// The new leader's rerun of the step: held, and it waits.
+	b := newTakeover(t.TempDir(), "ichor-b")
+	eb := env(op)
+	eb.Machine.Step, eb.Machine.Calls = executor.StepResetAll, 2
+	var heldErr *executor.HeldError
+	if _, err := b.Begin(ctx, eb, cfg); !errors.As(err, &heldErr) || heldErr.Owner != "default/ichor-a" {
+		t.Fatalf("Begin of ichor-b while ichor-a holds the journal: %v, want a HeldError naming default/ichor-a", err)
+	}
+	progress := make(chan string, 16)
+	eb.Progress = func(msg string) {
+		select {
+		case progress <- msg:
+		default:
+		}
+	}
+	resetDone, standDown := make(chan struct{}, 1), make(chan struct{})
+	b.TestHookAfterStep = func(_, step string, _ error) {
+		if step == executor.StepResetAll {
+			resetDone <- struct{}{}
+			<-standDown
+		}
+	}
+	type ended struct {
+		out executor.Outcome
+		err error
+	}
+	handed := make(chan ended, 1)
+	go func() {
+		out, err := b.HandOver(ctx, eb)
+		handed <- ended{out, err}
+	}()
+	if msg := testenv.Receive(t, ctx, progress, "progress from ichor-b's step"); !strings.Contains(msg, "takeover of pod default/ichor-a carries this etcd restore out") {
+		t.Fatalf("ichor-b's step reports %q, want that it waits for ichor-a's takeover", msg)
+	}
+	if st, _, err := j.ReadState(ctx); err != nil || st.Seq != held.Seq || st.Owner != held.Owner {
+		t.Fatalf("ichor-b changed the journal while it waited: %+v (%v), was %+v", st, err, held)
+	}
+
+	// ichor-a's takeover dies with its reset unmade; then its pod goes.
+	killA()
+	a.Wait()
+	if b.Owns(types.NamespacedName{Namespace: "default", Name: "restore3"}) {
+		t.Fatal("ichor-b took the restore over while ichor-a's pod was there")
+	}
+	if err := kenv.Client.Delete(ctx, controllerPod("ichor-a")); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Receive(t, ctx, resetDone, "end of ichor-b's reset")
+	resumed := newTakeover(dirA, "ichor-a")
+	if err := resumed.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resumed.Wait()
+	if _, err := os.Stat(filepath.Join(dirA, "etcd-restore-handover.json")); !os.IsNotExist(err) {
+		t.Errorf("ichor-a, resumed after ichor-b continued its restore, kept its hand-over file: %v", err)
+	}
+	close(standDown)
+
+	res := testenv.Receive(t, ctx, handed, "end of ichor-b's hand-over")
+	if res.err != nil || !res.out.Done {
+		t.Fatalf("ichor-b's hand-over: %+v, %v", res.out, res.err)
+	}
+	if n := resets() - before; n != len(f.ControlPlanes()) {
+		t.Errorf("%d resets took effect, want one per control plane (%d)", n, len(f.ControlPlanes()))
+	}
+	if got, err := testenv.ConfigMaps(kc); err != nil || got != "before,second,third" {
+		t.Fatalf("after the third restore the ConfigMaps are %q (%v)", got, err)
+	}
+	var back ichorv1.TalosOperation
+	if err := kenv.Client.Get(ctx, client.ObjectKey{Namespace: "default", Name: "restore3"}, &back); err != nil || back.Status.Phase != ichorv1.PhaseSucceeded {
+		t.Fatalf("the operation written back: %+v (%v)", back.Status, err)
+	}
+	if st, _, err := j.ReadState(ctx); st != nil || err != nil {
+		t.Fatalf("the journal is not cleared: %+v, %v", st, err)
+	}
+}
+
+// controllerPod is a controller's pod, as the journal names its owner.
+func controllerPod(name string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "controller", Image: "ichor"}}}}
+}
+
+// putObjects creates each object.
+func putObjects(t *testing.T, ctx context.Context, c client.Client, objs ...client.Object) {
+	t.Helper()
+	for _, o := range objs {
+		if err := c.Create(ctx, o); err != nil {
+			t.Fatalf("create %T %s: %v", o, o.GetName(), err)
+		}
 	}
 }
 

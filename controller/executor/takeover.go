@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	talosclient "github.com/siderolabs/talos/pkg/machinery/client"
 	clientconfig "github.com/siderolabs/talos/pkg/machinery/client/config"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -36,6 +38,9 @@ import (
 type Takeover struct {
 	// Dir keeps the hand-over file (a volume of the controller's pod).
 	Dir string
+	// Pod is the controller's own pod, "namespace/name" (Controller.Pod;
+	// empty outside a pod): the journal names it as the restore's owner.
+	Pod string
 	// Kube and Clientset reach the API once it is back.
 	Kube      client.Client
 	Clientset kubernetes.Interface
@@ -128,9 +133,13 @@ func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) (<-cha
 		return nil, fmt.Errorf("the journal in META (keys 0x%x, 0x%x) holds another operation's etcd restore (uid %s) that did not finish: "+
 			"see the README's etcd restore section; once that restore is dealt with, clear the keys (talosctl meta delete) and retry", journal.StateKey, journal.OperationKey, st.UID)
 	default:
+		if err := t.mayContinue(ctx, st); err != nil {
+			return nil, err
+		}
 		st.Machine.Phase = ichorv1.MachineInProgress // a retry after a failure of the tail
 	}
 	st.Seq++
+	st.Owner = t.Pod
 	if err := j.WriteOperation(ctx, e.Op); err != nil {
 		return nil, err
 	}
@@ -150,6 +159,55 @@ func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) (<-cha
 		return nil, err
 	}
 	return t.start(t.lifetime(ctx), h, c), nil
+}
+
+// HeldError is a journal of the same operation that another controller's
+// takeover may be running: the pod it names as the owner is still there.
+// A second takeover would make the tail's irreversible calls again.
+type HeldError struct {
+	// Owner is the pod the journal names; Step the step it journalled.
+	Owner, Step string
+}
+
+func (e *HeldError) Error() string {
+	return fmt.Sprintf("the takeover of pod %s carries this etcd restore out (journalled step %s); "+
+		"this controller waits until that takeover ends or its pod is gone", e.Owner, e.Step)
+}
+
+// mayContinue says whether this controller may continue the journal st of
+// its operation: it owns it, no pod does (a controller outside a pod), its
+// tail failed (a retry), or the pod that owns it is gone, and with it the
+// takeover and its hand-over file. A pod that exists may still run the
+// tail: a HeldError.
+func (t *Takeover) mayContinue(ctx context.Context, st *journal.State) error {
+	if st.Owner == "" || st.Owner == t.Pod || st.Machine.Phase == ichorv1.MachineFailed {
+		return nil
+	}
+	gone, err := t.podGone(ctx, st.Owner)
+	if err != nil {
+		return fmt.Errorf("look for pod %s, which the journal names as the etcd restore's owner: %w", st.Owner, err)
+	}
+	if !gone {
+		return &HeldError{Owner: st.Owner, Step: st.Machine.Step}
+	}
+	t.Log.Info("continuing the etcd restore of a controller whose pod is gone", "owner", st.Owner, "step", st.Machine.Step)
+	return nil
+}
+
+// podGone says whether the pod ("namespace/name") no longer runs: deleted,
+// or ended (an evicted pod's phase is Failed). One that is terminating may
+// still run the tail, which its process finishes before it exits.
+func (t *Takeover) podGone(ctx context.Context, pod string) (bool, error) {
+	ns, name, _ := strings.Cut(pod, "/")
+	var p corev1.Pod
+	err := t.Kube.Get(ctx, client.ObjectKey{Namespace: ns, Name: name}, &p)
+	if apierrors.IsNotFound(err) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded, nil
 }
 
 // writeHandover writes the hand-over file, whole or not at all.
@@ -190,6 +248,12 @@ func (t *Takeover) HandOver(ctx context.Context, e *Env) (Outcome, error) {
 		return Outcome{}, err
 	}
 	done, err := t.Begin(ctx, e, cfg)
+	for held := (*HeldError)(nil); errors.As(err, &held); {
+		if out, end, err := t.awaitHolder(ctx, e, held); end {
+			return out, err
+		}
+		done, err = t.Begin(ctx, e, cfg)
+	}
 	if err != nil {
 		return Outcome{}, Fail("HandOverFailed", "hand the etcd restore over to the takeover: %w", err)
 	}
@@ -203,6 +267,53 @@ func (t *Takeover) HandOver(ctx context.Context, e *Env) (Outcome, error) {
 	case <-ctx.Done():
 		return Outcome{}, ctx.Err()
 	}
+}
+
+// awaitHolder waits while the journal's owner, another controller's pod,
+// may run the tail (HeldError): it ends the step once that tail ends
+// (the journal cleared: the restore done, written back by the owner; or
+// failed, which this step then records), and says to Begin again once the
+// pod is gone or the journal names another owner. It never starts a
+// journal of its own: one cleared meanwhile is the owner's restore done.
+func (t *Takeover) awaitHolder(ctx context.Context, e *Env, held *HeldError) (Outcome, bool, error) {
+	j := journal.Journal{Talos: e.Talos, ControlPlanes: e.ControlPlanes}
+	for {
+		e.report(held.Error())
+		if err := pause(ctx, 2*time.Second); err != nil {
+			return Outcome{}, true, err
+		}
+		st, _, err := j.ReadState(ctx)
+		switch {
+		case err != nil:
+			continue // the owner's reset under way: the API, and this leadership, go next
+		case st == nil:
+			return Outcome{Done: true, Message: "etcd restored by the takeover of pod " + held.Owner + ", which wrote the final status"}, true, nil
+		case st.UID != e.Op.UID || st.Owner != held.Owner:
+			return Outcome{}, false, nil
+		case st.Machine.Phase == ichorv1.MachineFailed:
+			return Outcome{}, true, Fail("RestoreFailed", "the takeover of pod %s failed at %s: %s", held.Owner, st.Machine.Step, st.Machine.Message)
+		}
+		if gone, err := t.podGone(ctx, held.Owner); err == nil && gone {
+			return Outcome{}, false, nil
+		}
+	}
+}
+
+// TakenOverError is a journal whose owner is another controller's pod: it
+// continued the restore once this one's pod looked gone (deleted while its
+// process lived on, cut off with its node), and only it writes now.
+type TakenOverError struct{ Owner string }
+
+func (e *TakenOverError) Error() string {
+	return fmt.Sprintf("the etcd restore was taken over by the controller of pod %s: this one stops", e.Owner)
+}
+
+// ownedBy says, of the journal st, whether this controller still owns it.
+func (t *Takeover) ownedBy(st *journal.State) error {
+	if st.Owner != "" && st.Owner != t.Pod {
+		return &TakenOverError{Owner: st.Owner}
+	}
+	return nil
 }
 
 // Busy says whether a takeover carries an operation out now.
@@ -291,6 +402,9 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 	if st == nil || jop == nil {
 		return os.Remove(t.file()) // nothing journalled: nothing to resume
 	}
+	if err := t.ownedBy(st); err != nil {
+		return errors.Join(err, os.Remove(t.file())) // the other controller carries it out
+	}
 	if st.Machine.Phase == ichorv1.MachineFailed {
 		// Not retried by itself: a retry of the operation hands it over again.
 		return fmt.Errorf("the etcd restore of %s/%s failed at %s and waits for a retry: %s", jop.Namespace, jop.Name, st.Machine.Step, st.Machine.Message)
@@ -306,12 +420,17 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 		s := steps[i]
 		if e.Machine.Step != s.Name {
 			e.Machine.Step, e.Machine.Calls = s.Name, 0
+			// Read before each step after the first: another controller
+			// may have continued the journal meanwhile.
+			if err := t.stillOwned(ctx, j); err != nil {
+				return err
+			}
 		}
 		if s.Irreversible {
 			e.Machine.Calls++
 		}
 		seq++
-		if err := j.WriteState(ctx, journal.State{Seq: seq, UID: op.UID, Machine: e.Machine}); err != nil {
+		if err := j.WriteState(ctx, journal.State{Seq: seq, UID: op.UID, Machine: e.Machine, Owner: t.Pod}); err != nil {
 			return fmt.Errorf("journal %s: %w", s.Name, err)
 		}
 		sctx, cancel := context.WithTimeout(ctx, s.Timeout)
@@ -326,7 +445,7 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 		if err != nil {
 			e.Machine.Phase, e.Machine.Message = ichorv1.MachineFailed, err.Error()
 			seq++
-			_ = j.WriteState(ctx, journal.State{Seq: seq, UID: op.UID, Machine: e.Machine})
+			_ = j.WriteState(ctx, journal.State{Seq: seq, UID: op.UID, Machine: e.Machine, Owner: t.Pod})
 			return fmt.Errorf("%s: %w", s.Name, err)
 		}
 		e.Machine.Message = out.Message
@@ -343,6 +462,19 @@ func (t *Takeover) run(ctx context.Context, h handover, c *talosclient.Client) e
 			return err
 		}
 	}
+}
+
+// stillOwned reads the journal again and says whether this controller
+// still owns it (ownedBy).
+func (t *Takeover) stillOwned(ctx context.Context, j journal.Journal) error {
+	st, _, err := j.ReadState(ctx)
+	if err != nil {
+		return fmt.Errorf("read the journal: %w", err)
+	}
+	if st == nil {
+		return errors.New("the journal was cleared while the takeover ran: someone finished the restore by hand")
+	}
+	return t.ownedBy(st)
 }
 
 // writeBack puts the operation back with its final status, then clears

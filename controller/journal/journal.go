@@ -7,7 +7,9 @@
 // sequence number) any of them holds, and has one writer: the controller
 // that carries the operation out. Values are self-identifying JSON, and a
 // key holding anything else (Omni's labels, a user's data) is never
-// overwritten.
+// overwritten. The writer is named in the journal (State.Owner), and
+// another controller continues the journal only once that one's pod is
+// gone.
 package journal
 
 import (
@@ -53,6 +55,9 @@ type State struct {
 	// Machine is the machine status the steps read (its step, calls, boot
 	// ID, from, to, message), as status would hold it.
 	Machine ichorv1.MachineStatus `json:"machine"`
+	// Owner is the pod ("namespace/name") of the controller whose
+	// takeover runs the restore: the one writer. Empty outside a pod.
+	Owner string `json:"owner,omitempty"`
 	// Written is when the entry was written.
 	Written time.Time `json:"written"`
 }

@@ -40,6 +40,19 @@ func Eventually(t testing.TB, timeout time.Duration, what string, cond func(ctx 
 	}
 }
 
+// Receive takes a value from ch, failing the test when ctx ends first: a
+// wait for something another goroutine sends, with a deadline.
+func Receive[T any](t testing.TB, ctx context.Context, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-ctx.Done():
+		t.Fatalf("no %s before the deadline", what)
+		panic("unreachable") // Fatalf does not return
+	}
+}
+
 // pollBackoff: 20ms, growing by half each poll to 100ms, where it stays.
 func pollBackoff() wait.Backoff {
 	return wait.Backoff{Duration: 20 * time.Millisecond, Factor: 1.5, Steps: math.MaxInt32, Cap: 100 * time.Millisecond}
