@@ -156,24 +156,7 @@ func TestEtcdRestoreSteps(t *testing.T) {
 // Succeeded with the snapshot's revision, and the journal is cleared.
 func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine, env func(*ichorv1.TalosOperation) *executor.Env) {
 	kc := kenv.Kube
-	testenv.CreateConfigMaps(t, kc, "second")
-	snap := filepath.Join(t.TempDir(), "etcd2.snapshot")
-	testcluster.TakeSnapshot(t, tc, rec, snap)
-	testenv.CreateConfigMaps(t, kc, "later")
-	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "restore"}, Spec: ichorv1.TalosOperationSpec{
-		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
-	if err := kenv.Client.Create(ctx, op); err != nil {
-		t.Fatal(err)
-	}
-	e := env(op)
-	for _, name := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers} {
-		e.Machine.Step = name
-		runStep(t, ctx, stepNamed(t, e, name), e)
-	}
-	cfg, err := f.Talosconfig().Bytes()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, e, cfg := upToTheHandOver(t, ctx, f, kenv, tc, rec, env, "restore", "second", "later")
 	dir := t.TempDir()
 	first := &executor.Takeover{Dir: dir, Kube: kenv.Client, Clientset: kc, Log: testr.New(t)}
 	kctx, kill := context.WithCancel(ctx)
@@ -212,6 +195,33 @@ func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env
 	}
 }
 
+// upToTheHandOver prepares a restore named name, with the steps before
+// the hand-over run: the ConfigMap kept is in its snapshot, after is
+// created after it. It returns the operation, its Env and the talosconfig.
+func upToTheHandOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine,
+	env func(*ichorv1.TalosOperation) *executor.Env, name, kept, after string) (*ichorv1.TalosOperation, *executor.Env, []byte) {
+	t.Helper()
+	testenv.CreateConfigMaps(t, kenv.Kube, kept)
+	snap := filepath.Join(t.TempDir(), name+".snapshot")
+	testcluster.TakeSnapshot(t, tc, rec, snap)
+	testenv.CreateConfigMaps(t, kenv.Kube, after)
+	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name}, Spec: ichorv1.TalosOperationSpec{
+		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
+	if err := kenv.Client.Create(ctx, op); err != nil {
+		t.Fatal(err)
+	}
+	e := env(op)
+	for _, step := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers} {
+		e.Machine.Step = step
+		runStep(t, ctx, stepNamed(t, e, step), e)
+	}
+	cfg, err := f.Talosconfig().Bytes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return op, e, cfg
+}
+
 // fenced: a third restore, handed over to the takeover of pod ichor-a,
 // whose Reset calls are held in its client while the API is still there,
 // as when a controller loses its leadership just after the hand-over. The
@@ -223,24 +233,7 @@ func takeOver(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env
 // finishes.
 func fenced(t *testing.T, ctx context.Context, f *sim.Fleet, kenv *testenv.Env, tc *talosclient.Client, rec *sim.Machine, env func(*ichorv1.TalosOperation) *executor.Env) {
 	kc := kenv.Kube
-	testenv.CreateConfigMaps(t, kc, "third")
-	snap := filepath.Join(t.TempDir(), "etcd3.snapshot")
-	testcluster.TakeSnapshot(t, tc, rec, snap)
-	testenv.CreateConfigMaps(t, kc, "last")
-	op := &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "restore3"}, Spec: ichorv1.TalosOperationSpec{
-		Kind: ichorv1.KindEtcdRestore, MaxUnavailable: 1, EtcdRestore: &ichorv1.EtcdRestore{Snapshot: "file://" + snap, Machine: rec.Name()}}}
-	if err := kenv.Client.Create(ctx, op); err != nil {
-		t.Fatal(err)
-	}
-	e := env(op)
-	for _, name := range []string{executor.StepCheckSnapshot, executor.StepLeaveOthers} {
-		e.Machine.Step = name
-		runStep(t, ctx, stepNamed(t, e, name), e)
-	}
-	cfg, err := f.Talosconfig().Bytes()
-	if err != nil {
-		t.Fatal(err)
-	}
+	op, e, cfg := upToTheHandOver(t, ctx, f, kenv, tc, rec, env, "restore3", "third", "last")
 	putObjects(t, ctx, kenv.Client,
 		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: e.Controller.Namespace}},
 		&corev1.Secret{ObjectMeta: metav1.ObjectMeta{Namespace: e.Controller.Namespace, Name: ichorv1.TalosconfigSecret},
