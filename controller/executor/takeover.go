@@ -112,8 +112,10 @@ func (t *Takeover) lifetime(ctx context.Context) context.Context {
 
 // Begin hands the operation over: the journal of the operation and its
 // machine (carried on from an earlier Begin of the same operation, whose
-// reset may have been made), then the hand-over file with the talosconfig
-// (read while the API is there), and then the tail runs on the
+// reset may have been made, or from another controller's whose pod is
+// gone: mayContinue), once the snapshot is on this controller's disk; then
+// the hand-over file with the talosconfig (read while the API is there),
+// and then the tail runs on the
 // takeover's lifetime (Start's context: the controller's, not its
 // leadership; ctx without one). It returns once the hand-over is durable,
 // with a channel that gives the tail's end.
@@ -137,6 +139,12 @@ func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) (<-cha
 			return nil, err
 		}
 		st.Machine.Phase = ichorv1.MachineInProgress // a retry after a failure of the tail
+	}
+	// The recovery uploads the snapshot once the API, and with it an s3://
+	// snapshot's credentials, is gone: it must be on this controller's
+	// disk now (a replica that continues another's journal has no copy).
+	if _, err := fetchSnapshot(ctx, e); err != nil {
+		return nil, fmt.Errorf("the snapshot, which the recovery uploads once the API is gone: %w", err)
 	}
 	st.Seq++
 	st.Owner = t.Pod
