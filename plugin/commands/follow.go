@@ -211,7 +211,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 		defer t.Stop()
 		deadline = t.C
 	}
-	op, err := getOperation(ctx, c, ns, name)
+	op, err := e.firstRead(ctx, c, ns, name, deadline)
 	if err != nil {
 		return err
 	}
@@ -332,6 +332,38 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 		case <-ctx.Done():
 			err := stoppedFollowing(fmt.Sprintf("stopped following %s; the operation keeps running (%s)", ref(name), phaseWords(op)))
 			return finish(d, op, err)
+		}
+	}
+}
+
+// answerWait is how long the first read of a follow asks again an API
+// server that gives no answer: one that restarts (a rotation of its CA, an
+// upgrade of its control plane) is back well within it.
+const answerWait = time.Minute
+
+// firstRead reads the operation to follow. An API server that gives no
+// answer (a connection refused or cut, a read that times out) is asked
+// again every second, which is said once, for up to answerWait or until
+// the timeout; an answer, a refusal or NotFound included, is final.
+func (e *Env) firstRead(ctx context.Context, c client.Reader, ns, name string, deadline <-chan time.Time) (*ichorv1.TalosOperation, error) {
+	giveUp := time.NewTimer(answerWait)
+	defer giveUp.Stop()
+	for said := false; ; said = true {
+		op, err := readOperation(ctx, c, &ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}})
+		if !noAnswer(ctx, err) {
+			return op, err
+		}
+		if !said {
+			fmt.Fprintf(e.Streams.ErrOut, "the API server does not answer (%v); asking again for up to %s\n", err, answerWait)
+		}
+		select {
+		case <-time.After(time.Second):
+		case <-giveUp.C:
+			return nil, err
+		case <-deadline:
+			return nil, err
+		case <-ctx.Done():
+			return nil, err
 		}
 	}
 }

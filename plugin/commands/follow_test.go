@@ -3,6 +3,8 @@ package commands
 import (
 	"context"
 	"errors"
+	"io"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -153,5 +155,55 @@ func TestFollowSeesTheWriteBackTheWatchMisses(t *testing.T) {
 	}
 	if gets < 2 {
 		t.Errorf("the follow read the operation %d times", gets)
+	}
+}
+
+// TestFirstReadAsksAgain: the first read of a follow asks an API server
+// that gives no answer (restarting) again, saying so once, until it
+// answers or the timeout passes; an answer of the API's is final at once.
+func TestFirstReadAsksAgain(t *testing.T) {
+	reset := &url.Error{Op: "Get", URL: "https://127.0.0.1:6443", Err: io.EOF}
+	fired := make(chan time.Time, 1)
+	fired <- time.Now()
+	cases := []struct {
+		name      string
+		objects   []client.Object
+		noAnswers int // the reads that get no answer first (-1: every one)
+		deadline  <-chan time.Time
+		wantErr   string
+		wantGets  int
+		wantNote  bool
+	}{
+		{"the API back after two tries", []client.Object{&ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "op"}}}, 2, nil, "", 3, true},
+		{"not found is an answer", nil, 0, nil, `"op" not found`, 1, false},
+		{"no answer until the timeout", nil, -1, fired, "EOF", 1, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			gets := 0
+			cl := fake.NewClientBuilder().WithScheme(Scheme).WithObjects(c.objects...).WithInterceptorFuncs(interceptor.Funcs{
+				Get: func(ctx context.Context, cl client.WithWatch, key client.ObjectKey, obj client.Object, opts ...client.GetOption) error {
+					if gets++; c.noAnswers < 0 || gets <= c.noAnswers {
+						return reset
+					}
+					return cl.Get(ctx, key, obj, opts...)
+				},
+			}).Build()
+			streams, _, _, errOut := genericiooptions.NewTestIOStreams()
+			e := NewEnv("kubectl-ichor", streams)
+			op, err := e.firstRead(context.Background(), cl, testNS, "op", c.deadline)
+			switch {
+			case c.wantErr == "" && (err != nil || op == nil || op.Name != "op"):
+				t.Errorf("firstRead = %v, %v; want the operation", op, err)
+			case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
+				t.Errorf("firstRead error %v, want %q", err, c.wantErr)
+			}
+			if gets != c.wantGets {
+				t.Errorf("%d reads, want %d", gets, c.wantGets)
+			}
+			if n := strings.Count(errOut.String(), "the API server does not answer"); n != map[bool]int{true: 1}[c.wantNote] {
+				t.Errorf("the note is said %d times:\n%s", n, errOut)
+			}
+		})
 	}
 }
