@@ -211,7 +211,7 @@ func (e *Env) follow(ctx context.Context, c client.WithWatch, ns, name string, f
 		defer t.Stop()
 		deadline = t.C
 	}
-	op, err := e.firstRead(ctx, c, ns, name, deadline)
+	op, err := e.firstRead(ctx, c, ns, name, ff.timeout, deadline)
 	if err != nil {
 		return err
 	}
@@ -344,8 +344,9 @@ const answerWait = time.Minute
 // firstRead reads the operation to follow. An API server that gives no
 // answer (a connection refused or cut, a read that times out) is asked
 // again every second, which is said once, for up to answerWait or until
-// the timeout; an answer, a refusal or NotFound included, is final.
-func (e *Env) firstRead(ctx context.Context, c client.Reader, ns, name string, deadline <-chan time.Time) (*ichorv1.TalosOperation, error) {
+// the timeout (exit 3) or an interrupt (130); an answer, a refusal or
+// NotFound included, is final.
+func (e *Env) firstRead(ctx context.Context, c client.Reader, ns, name string, timeout time.Duration, deadline <-chan time.Time) (*ichorv1.TalosOperation, error) {
 	giveUp := time.NewTimer(answerWait)
 	defer giveUp.Stop()
 	for said := false; ; said = true {
@@ -361,9 +362,9 @@ func (e *Env) firstRead(ctx context.Context, c client.Reader, ns, name string, d
 		case <-giveUp.C:
 			return nil, err
 		case <-deadline:
-			return nil, err
+			return nil, exitError(ExitTimeout, "timed out after %s waiting for the API server to answer: %v", timeout, err)
 		case <-ctx.Done():
-			return nil, err
+			return nil, stoppedFollowing(fmt.Sprintf("stopped waiting for the API server to answer: %v", err))
 		}
 	}
 }

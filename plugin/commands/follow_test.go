@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/cli-runtime/pkg/genericiooptions"
+	utilexec "k8s.io/utils/exec"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 	"sigs.k8s.io/controller-runtime/pkg/client/interceptor"
@@ -176,7 +177,7 @@ func TestFirstReadAsksAgain(t *testing.T) {
 	}{
 		{"the API back after two tries", []client.Object{&ichorv1.TalosOperation{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "op"}}}, 2, nil, "", 3, true},
 		{"not found is an answer", nil, 0, nil, `"op" not found`, 1, false},
-		{"no answer until the timeout", nil, -1, fired, "EOF", 1, true},
+		{"no answer until the timeout", nil, -1, fired, "timed out after 1s waiting for the API server to answer: Get \"https://127.0.0.1:6443\": EOF", 1, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -191,12 +192,16 @@ func TestFirstReadAsksAgain(t *testing.T) {
 			}).Build()
 			streams, _, _, errOut := genericiooptions.NewTestIOStreams()
 			e := NewEnv("kubectl-ichor", streams)
-			op, err := e.firstRead(context.Background(), cl, testNS, "op", c.deadline)
+			op, err := e.firstRead(context.Background(), cl, testNS, "op", time.Second, c.deadline)
 			switch {
 			case c.wantErr == "" && (err != nil || op == nil || op.Name != "op"):
 				t.Errorf("firstRead = %v, %v; want the operation", op, err)
 			case c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)):
 				t.Errorf("firstRead error %v, want %q", err, c.wantErr)
+			}
+			var exit utilexec.CodeExitError
+			if c.deadline != nil && (!errors.As(err, &exit) || exit.Code != ExitTimeout) {
+				t.Errorf("firstRead at the timeout: %#v, want exit code %d", err, ExitTimeout)
 			}
 			if gets != c.wantGets {
 				t.Errorf("%d reads, want %d", gets, c.wantGets)
