@@ -142,7 +142,9 @@ func (t *Takeover) Begin(ctx context.Context, e *Env, talosconfig []byte) (<-cha
 	}
 	// The recovery uploads the snapshot once the API, and with it an s3://
 	// snapshot's credentials, is gone: it must be on this controller's
-	// disk now (a replica that continues another's journal has no copy).
+	// disk now. Not only when continuing another's journal: a replica that
+	// took the lead after check-snapshot ran elsewhere starts a fresh one
+	// without a copy too.
 	if _, err := fetchSnapshot(ctx, e); err != nil {
 		return nil, fmt.Errorf("the snapshot, which the recovery uploads once the API is gone: %w", err)
 	}
