@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -358,12 +359,14 @@ func runSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, rea
 	start := w.until(b, "bench", time.Minute, func(op *ichorv1.TalosOperation) bool {
 		return op.Status.Phase == ichorv1.PhaseRunning
 	})
+	cpu0 := readCPU(b)
 	end := w.until(b, "bench", 15*time.Minute, func(op *ichorv1.TalosOperation) bool {
 		if op.Failed() {
 			b.Fatalf("failed: %s", op.Status.Message)
 		}
 		return op.Succeeded()
 	})
+	cpuLoad(b, string(op.Kind), cpu0, readCPU(b), end.Sub(start))
 	// One line: go test keeps only a benchmark's first ten log lines, and
 	// the wall-time ratio comes after these.
 	var took []string
@@ -383,6 +386,33 @@ func runSchedule(b *testing.B, spec sim.Spec, op ichorv1.TalosOperationSpec, rea
 		float64(w.writes["bench"])/float64(steps), writesBudget)
 	apiLoad(b, string(op.Kind), start, end, steps)
 	return end.Sub(start)
+}
+
+// cpuAt is the machine's CPU time and the API server's at one moment.
+type cpuAt struct {
+	machine   proc.Machine
+	apiserver time.Duration
+}
+
+func readCPU(b *testing.B) cpuAt {
+	m, err := proc.ReadMachine()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return cpuAt{machine: m, apiserver: apiserverCPU(b)}
+}
+
+// cpuLoad reports how busy the machine's cores were over a schedule that
+// took wall, from before to after (every process: the API server, etcd,
+// this one's controller and fleet), and how many cores the API server
+// used: a schedule whose machine is busy near 1 waits for CPU at every
+// step, the controller's and the API server's alike.
+func cpuLoad(b *testing.B, kind string, before, after cpuAt, wall time.Duration) {
+	busy := after.machine.BusySince(before.machine)
+	cores := (after.apiserver - before.apiserver).Seconds() / wall.Seconds()
+	b.ReportMetric(busy, "machine-cpu-busy")
+	b.ReportMetric(cores, "apiserver-cores")
+	b.Logf("%s: the machine's %d cores were busy %.0f%% of the time, the API server using %.2f cores", kind, runtime.NumCPU(), 100*busy, cores)
 }
 
 // apiLoad reports the controller's requests from start to end as the API

@@ -82,3 +82,45 @@ func CPUTime(pid int) (time.Duration, error) {
 	const ticks = 100 // USER_HZ on Linux
 	return time.Duration(utime+stime) * time.Second / ticks, nil
 }
+
+// Machine is the CPU time of every core of the machine since boot, busy
+// and in all (proc(5), the cpu line of stat): over a span, busy over all is
+// how much of the machine's CPU its processes, every one of them, used.
+type Machine struct {
+	Busy, All time.Duration
+}
+
+// ReadMachine reads the machine's CPU time.
+func ReadMachine() (Machine, error) {
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return Machine{}, fmt.Errorf("read the machine's CPU time: %w", err)
+	}
+	line, _, _ := strings.Cut(string(data), "\n")
+	fields := strings.Fields(line)
+	// cpu user nice system idle iowait irq softirq steal (guest time is in user's).
+	if len(fields) < 9 || fields[0] != "cpu" {
+		return Machine{}, fmt.Errorf("parse /proc/stat: %q", line)
+	}
+	var all, idle int64
+	for i, f := range fields[1:9] {
+		n, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			return Machine{}, fmt.Errorf("parse /proc/stat: %q", line)
+		}
+		all += n
+		if i == 3 || i == 4 { // idle, iowait
+			idle += n
+		}
+	}
+	const ticks = 100 // USER_HZ on Linux
+	return Machine{Busy: time.Duration(all-idle) * time.Second / ticks, All: time.Duration(all) * time.Second / ticks}, nil
+}
+
+// BusySince is the share of the machine's CPU used between before and m, 0 to 1.
+func (m Machine) BusySince(before Machine) float64 {
+	if m.All <= before.All {
+		return 0
+	}
+	return float64(m.Busy-before.Busy) / float64(m.All-before.All)
+}

@@ -2,8 +2,10 @@ package proc
 
 import (
 	"os"
+	"runtime"
 	"runtime/debug"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -70,5 +72,58 @@ func TestNoSuchProcess(t *testing.T) {
 	}
 	if _, err := CPUTime(pid); err == nil {
 		t.Error("CPUTime of a process that does not exist: no error")
+	}
+}
+
+func TestReadMachine(t *testing.T) {
+	before, err := ReadMachine()
+	if err != nil {
+		t.Fatal(err)
+	}
+	own0, err := CPUTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Keep every core busy until the kernel has counted 200 ms of each to
+	// this process: the machine's idle time then says little, its busy time
+	// at least that much.
+	want := time.Duration(runtime.NumCPU()) * 200 * time.Millisecond
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range runtime.NumCPU() - 1 {
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+					_ = strings.Repeat("x", 1<<16)
+				}
+			}
+		})
+	}
+	own, deadline := own0, time.Now().Add(10*time.Second)
+	for own-own0 < want && time.Now().Before(deadline) {
+		_ = strings.Repeat("x", 1<<16)
+		if own, err = CPUTime(os.Getpid()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	after, err := ReadMachine()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The machine was busy at least while this process was, less a few
+	// ticks of rounding.
+	if busy := after.Busy - before.Busy; busy < own-own0-50*time.Millisecond {
+		t.Errorf("the machine was busy %s while this process used %s", busy, own-own0)
+	}
+	if share := after.BusySince(before); share <= 0 || share > 1 {
+		t.Errorf("busy share %.3f: want it in (0, 1]", share)
+	}
+	if after.All-before.All < after.Busy-before.Busy {
+		t.Errorf("all %s, busy %s: want all at least busy", after.All-before.All, after.Busy-before.Busy)
 	}
 }
