@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/go-logr/logr"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -29,6 +30,7 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/envtest"
+	ctrllog "sigs.k8s.io/controller-runtime/pkg/log"
 
 	ichorv1 "maesh.dev/ichor/api/v1alpha1"
 	"maesh.dev/ichor/internal/controlplane"
@@ -169,6 +171,13 @@ func (e *Env) Stop() error {
 // Env into *env, runs each setup (installing manifests, starting helpers),
 // runs the tests and stops it.
 func Main(m *testing.M, env **Env, setup ...func(*Env) error) int {
+	// controller-runtime's global logger, which client-go's reflectors
+	// under the tests' caches write to, drops their lines from the start,
+	// as it would unset: each controller has its own logger. Unset, it
+	// prints a warning with a goroutine stack 30 s in, among the figures
+	// of make bench. A package that wants those lines sets it before Main
+	// (only the first call counts).
+	ctrllog.SetLogger(logr.Discard())
 	e, err := Start()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "testenv:", err)
