@@ -11,6 +11,10 @@ import (
 	"time"
 )
 
+// userHZ is the kernel's clock ticks a second on Linux (USER_HZ), the
+// unit of the CPU times in proc(5).
+const userHZ = 100
+
 // Memory is a process's resident memory, in bytes (proc(5), status).
 type Memory struct {
 	// Peak is the high-water mark of the resident set (VmHWM).
@@ -79,8 +83,7 @@ func CPUTime(pid int) (time.Duration, error) {
 	if err1 != nil || err2 != nil {
 		return 0, fmt.Errorf("parse /proc/%d/stat: %q", pid, data)
 	}
-	const ticks = 100 // USER_HZ on Linux
-	return time.Duration(utime+stime) * time.Second / ticks, nil
+	return time.Duration(utime+stime) * time.Second / userHZ, nil
 }
 
 // Machine is the CPU time of every core of the machine since boot, busy
@@ -113,8 +116,7 @@ func ReadMachine() (Machine, error) {
 			idle += n
 		}
 	}
-	const ticks = 100 // USER_HZ on Linux
-	return Machine{Busy: time.Duration(all-idle) * time.Second / ticks, All: time.Duration(all) * time.Second / ticks}, nil
+	return Machine{Busy: time.Duration(all-idle) * time.Second / userHZ, All: time.Duration(all) * time.Second / userHZ}, nil
 }
 
 // BusySince is the share of the machine's CPU used between before and m, 0 to 1.
